@@ -1,0 +1,45 @@
+// Shared pieces of the CPU kernels: dtype dispatch, fp32 conversion, rounding and block geometry.
+#pragma once
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+
+#include "../ops.h"
+
+// Hot loops get an AVX2+FMA clone on x86-64 (picked at load time) and a portable default; both
+// compute the same bits, since the code spells out every fused multiply-add it does (std::fma) and
+// the build forbids the compiler from contracting others (-ffp-contract=off).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define OSP_HOT __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define OSP_HOT
+#endif
+
+namespace osp {
+namespace cpu {
+
+template <typename T> inline float to_f(T x) { return static_cast<float>(x); }
+// Round an fp32 value to T and back: where torch.optim materialises a tensor of dtype T.
+template <typename T> inline float rnd(float x) { return static_cast<float>(static_cast<T>(x)); }
+template <> inline float rnd<float>(float x) { return x; }
+
+template <typename F> void dispatch(DType dt, F&& f) {
+  switch (dt) {
+    case DType::F32: f(float{}); break;
+    case DType::F16: f(c10::Half{}); break;
+    case DType::BF16: f(c10::BFloat16{}); break;
+  }
+}
+
+inline int64_t block_len(int64_t b, int64_t n, int64_t bs) { return std::min(bs, n - b * bs); }
+
+// Blocks per parallel task: about 64K elements, at least one block.
+inline int64_t block_grain(int64_t bs) { return std::max<int64_t>(1, (int64_t(1) << 16) / bs); }
+
+}  // namespace cpu
+}  // namespace osp

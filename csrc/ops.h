@@ -1,0 +1,83 @@
+// Kernel contracts of osp: raw pointers and sizes only, no torch types, so that csrc/cuda compiles
+// with nvcc alone. Sizes and indices are int64_t: a flat gradient can exceed 2^31 elements.
+//
+// Layout: a flat tensor of n elements is cut into nblocks = ceil(n / bs) blocks of bs elements; the
+// last block holds n - (nblocks - 1) * bs elements. A packed buffer is the concatenation of the
+// selected blocks, each with its true length, in the order given (ids) or in ascending block order
+// (mask).
+#pragma once
+#include <cstdint>
+
+namespace osp {
+
+enum class DType : int { F32 = 0, F16 = 1, BF16 = 2 };
+enum class Metric : int { L2 = 0, L1 = 1, Max = 2, Relative = 3 };
+
+// The hyper-parameters of one torch.optim.SGD step, as torch.optim reads them.
+struct SgdHyper {
+  double lr, momentum, dampening, weight_decay;
+  bool nesterov, maximize;
+  bool first;  // the momentum buffer did not exist before this step: it starts as the gradient
+};
+
+// One torch.optim.Adam / AdamW step; `step` is the step count after this step's increment.
+struct AdamHyper {
+  double lr, beta1, beta2, eps, weight_decay, step;
+  bool amsgrad, maximize, decoupled;  // decoupled: AdamW's weight decay
+};
+
+inline int64_t num_blocks(int64_t n, int64_t bs) { return n == 0 ? 0 : (n + bs - 1) / bs; }
+
+namespace cpu {
+// scores[b] = metric over block b, accumulated in fp32; *nonfinite = 1 when any element of g is
+// inf or nan (left untouched otherwise). w is read only for Metric::Relative.
+void score_blocks(DType dt, const void* g, const void* w, int64_t n, int64_t bs, Metric m,
+                  float eps, float* scores, int32_t* nonfinite);
+// out = concat(flat[block ids[k]] for k); ids must be valid and distinct (checked by the caller).
+void pack_blocks(DType dt, const void* flat, int64_t n, const int64_t* ids, int64_t nids,
+                 int64_t bs, void* out);
+// flat[block ids[k]] (=|+=) buf[k-th block]
+void unpack_blocks(DType dt, const void* buf, int64_t n, const int64_t* ids, int64_t nids,
+                   int64_t bs, void* flat, bool accumulate);
+// One pass over flat: blocks with mask[b] != 0 go to crit, the others to def, each in ascending
+// block order. Either output may be null (that side is skipped).
+void split_blocks(DType dt, const void* flat, int64_t n, const uint8_t* mask, int64_t bs,
+                  void* crit, void* def);
+// The inverse of split_blocks: writes flat from crit (mask != 0) and def (mask == 0); a null side
+// leaves those blocks of flat untouched.
+void merge_blocks(DType dt, const void* crit, const void* def, const uint8_t* mask, int64_t n,
+                  int64_t bs, void* flat);
+// Exact optimizer steps on packed (contiguous) buffers, in place on param and state.
+void sgd_step(DType dt, void* param, const void* grad, void* momentum_buf, int64_t n,
+              const SgdHyper& h);
+void adam_step(DType dt, void* param, const void* grad, void* exp_avg, void* exp_avg_sq,
+               void* max_exp_avg_sq, int64_t n, const AdamHyper& h);
+}  // namespace cpu
+
+namespace cuda {
+// The same contracts on device pointers, launched on `stream` (a cudaStream_t). Every launch is
+// checked; a failure throws std::runtime_error with CUDA's message. `nonfinite` and `scores` are
+// device pointers. For pack/unpack, short_pos is the position in ids of the short last block (or -1).
+// For split/merge, pos[b] is the number of selected blocks before b (mask cumsum, exclusive) and
+// crit_n / def_n the lengths of the two buffers (writes past them are dropped, never made).
+void score_blocks(DType dt, const void* g, const void* w, int64_t n, int64_t bs, Metric m,
+                  float eps, float* scores, int32_t* nonfinite, void* stream);
+void pack_blocks(DType dt, const void* flat, int64_t n, const int64_t* ids, int64_t nids,
+                 int64_t bs, int64_t short_pos, void* out, void* stream);
+void unpack_blocks(DType dt, const void* buf, int64_t n, const int64_t* ids, int64_t nids,
+                   int64_t bs, int64_t short_pos, void* flat, bool accumulate, void* stream);
+// Flags (into *bad) ids that are out of range (bit 1) or repeated (bit 2); seen is nblocks int32 zeros.
+void check_ids(const int64_t* ids, int64_t nids, int64_t nblocks, int32_t* seen, int32_t* bad,
+               void* stream);
+void split_blocks(DType dt, const void* flat, int64_t n, const uint8_t* mask, const int64_t* pos,
+                  int64_t bs, void* crit, int64_t crit_n, void* def, int64_t def_n, void* stream);
+void merge_blocks(DType dt, const void* crit, int64_t crit_n, const void* def, int64_t def_n,
+                  const uint8_t* mask, const int64_t* pos, int64_t n, int64_t bs, void* flat,
+                  void* stream);
+void sgd_step(DType dt, void* param, const void* grad, void* momentum_buf, int64_t n,
+              const SgdHyper& h, void* stream);
+void adam_step(DType dt, void* param, const void* grad, void* exp_avg, void* exp_avg_sq,
+               void* max_exp_avg_sq, int64_t n, const AdamHyper& h, void* stream);
+}  // namespace cuda
+
+}  // namespace osp

@@ -1,0 +1,338 @@
+"""Typed wrappers of the osp kernels, and a pure-PyTorch reference of every one of them.
+
+The references are the test oracle and the fallback when the extension ``osp._C`` is missing (a
+warning says so once). Layout: a flat tensor of ``n`` elements is cut into ``ceil(n / block_size)``
+blocks; the last block may be short. A *packed* buffer is the concatenation of selected blocks, each
+with its true length, in the order of ``block_ids`` (pack/unpack) or in ascending block order
+(split/merge with a per-block mask).
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Optional, Tuple
+
+import torch
+
+try:
+    from . import _C  # noqa: F401  (registers torch.ops.osp.*)
+
+    HAS_EXTENSION = True
+except ImportError as e:  # pragma: no cover - exercised only without a build
+    HAS_EXTENSION = False
+    _IMPORT_ERROR = e
+
+METRICS = {"l2": 0, "l1": 1, "max": 2, "relative": 3}
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_warned = False
+
+
+def _use_extension() -> bool:
+    global _warned
+    if not HAS_EXTENSION and not _warned:
+        warnings.warn(
+            f"osp._C could not be imported ({_IMPORT_ERROR}); using the pure-PyTorch reference "
+            "kernels, which are slower. Reinstall osp (pip install -e .) to build it.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        _warned = True
+    return HAS_EXTENSION
+
+
+def num_blocks(numel: int, block_size: int) -> int:
+    return 0 if numel == 0 else -(-numel // block_size)
+
+
+def _metric_id(metric: str) -> int:
+    if metric not in METRICS:
+        raise ValueError(f"osp: unknown metric {metric!r}: expected one of {sorted(METRICS)}")
+    return METRICS[metric]
+
+
+def _check_block_size(block_size) -> None:
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
+        raise ValueError(f"osp: block_size must be a positive integer, got {block_size!r}")
+
+
+def packed_numel(numel: int, block_ids: torch.Tensor, block_size: int) -> int:
+    """Length of the buffer that packs ``block_ids`` of a flat tensor of ``numel`` elements.
+
+    On a CUDA tensor whose length is not a multiple of ``block_size`` this syncs once (it must know
+    whether the short last block is among the ids)."""
+    nb = num_blocks(numel, block_size)
+    k = block_ids.numel()
+    if k == 0 or numel % block_size == 0:
+        return k * block_size
+    has_last = bool((block_ids == nb - 1).any())
+    return k * block_size - (has_last * (nb * block_size - numel))
+
+
+def mask_numels(numel: int, mask: torch.Tensor, block_size: int) -> Tuple[int, int]:
+    """(critical, deferred) packed lengths for a per-block mask (syncs once on CUDA)."""
+    nb = num_blocks(numel, block_size)
+    if nb == 0:
+        return 0, 0
+    sel = int(mask.sum())
+    short_by = nb * block_size - numel
+    last = bool(mask[nb - 1])
+    return sel * block_size - (short_by if last else 0), (nb - sel) * block_size - (0 if last else short_by)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public wrappers
+
+
+def score_blocks(
+    grad: torch.Tensor, block_size: int, metric: str = "l2", param: Optional[torch.Tensor] = None,
+    eps: float = 1e-8,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One fused pass: fp32 score per block and whether any element of ``grad`` is non-finite.
+
+    Returns ``(scores, nonfinite)``: ``scores`` is float32 ``[nblocks]``; ``nonfinite`` an int32
+    ``[1]`` tensor on ``grad``'s device, 1 when some element is inf or nan (no sync is made).
+    Metrics: ``l2`` sum of squares, ``l1`` sum of |g|, ``max`` max |g|, ``relative`` sum of
+    |g| / (|w| + eps) with ``param`` the flat parameter.
+    """
+    _check_block_size(block_size)
+    mid = _metric_id(metric)
+    if _use_extension():
+        return torch.ops.osp.score_blocks(grad, param, block_size, mid, eps)
+    return ref_score_blocks(grad, block_size, metric, param, eps)
+
+
+def block_scores(
+    grad: torch.Tensor, block_size: int, metric: str = "l2", param: Optional[torch.Tensor] = None,
+    eps: float = 1e-8,
+) -> torch.Tensor:
+    """fp32 importance score of every block of ``grad`` (see :func:`score_blocks`)."""
+    return score_blocks(grad, block_size, metric, param, eps)[0]
+
+
+def pack_blocks(
+    flat: torch.Tensor, block_ids: torch.Tensor, block_size: int, out: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """Gather the blocks ``block_ids`` (int64, any order, distinct) of ``flat`` into one buffer."""
+    _check_block_size(block_size)
+    if out is None:
+        _check_ids_tensor(block_ids)
+        out = torch.empty(packed_numel(flat.numel(), block_ids, block_size), dtype=flat.dtype,
+                          device=flat.device)
+    if _use_extension():
+        torch.ops.osp.pack_blocks(flat, block_ids, block_size, out)
+    else:
+        ref_pack_blocks(flat, block_ids, block_size, out)
+    return out
+
+
+def unpack_blocks(
+    buf: torch.Tensor, block_ids: torch.Tensor, block_size: int, flat: torch.Tensor,
+    accumulate: bool = False,
+) -> None:
+    """Scatter ``buf`` (packed as by :func:`pack_blocks`) back into ``flat``, in place.
+    With ``accumulate=True`` the blocks are added instead of copied."""
+    _check_block_size(block_size)
+    if _use_extension():
+        torch.ops.osp.unpack_blocks(buf, block_ids, block_size, flat, accumulate)
+    else:
+        ref_unpack_blocks(buf, block_ids, block_size, flat, accumulate)
+
+
+def split_blocks(
+    flat: torch.Tensor, mask: torch.Tensor, block_size: int,
+    critical: Optional[torch.Tensor] = None, deferred: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One pass over ``flat``: blocks with ``mask`` set go to ``critical``, the others to
+    ``deferred``, each in ascending block order. Missing outputs are allocated."""
+    _check_block_size(block_size)
+    if critical is None or deferred is None:
+        nc, nd = mask_numels(flat.numel(), mask, block_size)
+        if critical is None:
+            critical = flat.new_empty(nc)
+        if deferred is None:
+            deferred = flat.new_empty(nd)
+    if _use_extension():
+        torch.ops.osp.split_blocks(flat, mask, block_size, critical, deferred)
+    else:
+        ref_split_blocks(flat, mask, block_size, critical, deferred)
+    return critical, deferred
+
+
+def merge_blocks(
+    critical: Optional[torch.Tensor], deferred: Optional[torch.Tensor], mask: torch.Tensor,
+    block_size: int, flat: torch.Tensor,
+) -> None:
+    """Inverse of :func:`split_blocks`, in place on ``flat``; a ``None`` side is left untouched."""
+    _check_block_size(block_size)
+    if _use_extension():
+        torch.ops.osp.merge_blocks(critical, deferred, mask, block_size, flat)
+    else:
+        ref_merge_blocks(critical, deferred, mask, block_size, flat)
+
+
+def sgd_step_(
+    param: torch.Tensor, grad: torch.Tensor, momentum_buffer: Optional[torch.Tensor], *, lr: float,
+    momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False,
+    maximize: bool = False, first: bool = False,
+) -> None:
+    """One ``torch.optim.SGD`` step on contiguous buffers, in place on ``param`` and
+    ``momentum_buffer``. ``first``: the momentum buffer did not exist before this step."""
+    if _use_extension():
+        torch.ops.osp.sgd_step_(param, grad, momentum_buffer, lr, momentum, dampening, weight_decay,
+                                nesterov, maximize, first)
+    else:
+        ref_sgd_step_(param, grad, momentum_buffer, lr=lr, momentum=momentum, dampening=dampening,
+                      weight_decay=weight_decay, nesterov=nesterov, maximize=maximize, first=first)
+
+
+def adam_step_(
+    param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+    max_exp_avg_sq: Optional[torch.Tensor], *, step: float, lr: float, beta1: float = 0.9,
+    beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False,
+    maximize: bool = False, decoupled: bool = False,
+) -> None:
+    """One ``torch.optim.Adam`` (``decoupled=True``: ``AdamW``) step on contiguous buffers, in
+    place on ``param`` and the state. ``step`` is the step count after this step's increment."""
+    if _use_extension():
+        torch.ops.osp.adam_step_(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, float(step), lr,
+                                 beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled)
+    else:
+        ref_adam_step_(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step=step, lr=lr,
+                       beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                       maximize=maximize, decoupled=decoupled)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure-PyTorch references (oracle and fallback). They check the same things the kernels check.
+
+
+def _check_ids_tensor(ids: torch.Tensor) -> None:
+    if ids.dtype != torch.int64:
+        raise TypeError(f"osp: block_ids must be int64, got {ids.dtype}")
+    if ids.dim() != 1:
+        raise ValueError(f"osp: block_ids must be 1-D, got {ids.dim()}-D")
+
+
+def _ref_check_ids(ids: torch.Tensor, numel: int, block_size: int) -> None:
+    _check_ids_tensor(ids)
+    nb = num_blocks(numel, block_size)
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= nb):
+        raise IndexError(f"osp: block ids out of range: expected 0 <= id < {nb}, got "
+                         f"min {int(ids.min())} and max {int(ids.max())}")
+    if ids.numel() != ids.unique().numel():
+        raise ValueError("osp: block_ids holds an id more than once")
+
+
+def _blocks(flat: torch.Tensor, block_size: int):
+    return list(flat.reshape(-1).split(block_size))
+
+
+def ref_score_blocks(grad, block_size, metric="l2", param=None, eps=1e-8):
+    _check_block_size(block_size)
+    _metric_id(metric)
+    g = grad.reshape(-1).float()
+    nonfinite = torch.tensor([int(not bool(torch.isfinite(g).all()))], dtype=torch.int32,
+                             device=grad.device)
+    if g.numel() == 0:
+        return g.new_empty(0), nonfinite
+    pad = num_blocks(g.numel(), block_size) * block_size - g.numel()
+    if metric == "relative":
+        if param is None:
+            raise ValueError("osp: metric 'relative' needs the flat parameter, got None")
+        t = g.abs() / (param.reshape(-1).float().abs() + eps)
+    elif metric == "l2":
+        t = g * g
+    else:
+        t = g.abs()
+    t = torch.nn.functional.pad(t, (0, pad)).view(-1, block_size)
+    scores = t.amax(1) if metric == "max" else t.sum(1)
+    return scores, nonfinite
+
+
+def ref_pack_blocks(flat, block_ids, block_size, out):
+    _ref_check_ids(block_ids, flat.numel(), block_size)
+    blocks = _blocks(flat, block_size)
+    parts = [blocks[i] for i in block_ids.tolist()]
+    out.copy_(torch.cat(parts) if parts else flat.new_empty(0))
+    return out
+
+
+def ref_unpack_blocks(buf, block_ids, block_size, flat, accumulate=False):
+    _ref_check_ids(block_ids, flat.numel(), block_size)
+    blocks = _blocks(flat, block_size)
+    o = 0
+    for i in block_ids.tolist():
+        n = blocks[i].numel()
+        if accumulate:
+            blocks[i].add_(buf[o:o + n])
+        else:
+            blocks[i].copy_(buf[o:o + n])
+        o += n
+
+
+def ref_split_blocks(flat, mask, block_size, critical, deferred):
+    blocks = _blocks(flat, block_size)
+    m = mask.tolist()
+    crit = [b for b, s in zip(blocks, m) if s]
+    rest = [b for b, s in zip(blocks, m) if not s]
+    if critical is not None and crit:
+        critical.copy_(torch.cat(crit))
+    if deferred is not None and rest:
+        deferred.copy_(torch.cat(rest))
+    return critical, deferred
+
+
+def ref_merge_blocks(critical, deferred, mask, block_size, flat):
+    oc = od = 0
+    for b, s in zip(_blocks(flat, block_size), mask.tolist()):
+        n = b.numel()
+        if s:
+            if critical is not None:
+                b.copy_(critical[oc:oc + n])
+            oc += n
+        else:
+            if deferred is not None:
+                b.copy_(deferred[od:od + n])
+            od += n
+
+
+def ref_sgd_step_(param, grad, momentum_buffer, *, lr, momentum=0.0, dampening=0.0, weight_decay=0.0,
+                  nesterov=False, maximize=False, first=False):
+    """torch.optim.SGD's own single-tensor step on these buffers."""
+    from torch.optim.sgd import _single_tensor_sgd
+
+    bufs = [None if (first or momentum == 0.0) else momentum_buffer]
+    _single_tensor_sgd([param], [grad], bufs, None, None, weight_decay=weight_decay,
+                       momentum=momentum, lr=lr, dampening=dampening, nesterov=nesterov,
+                       maximize=maximize, has_sparse_grad=False)
+    if momentum != 0.0 and first:
+        momentum_buffer.copy_(bufs[0])
+
+
+def ref_adam_step_(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, *, step, lr, beta1=0.9,
+                   beta2=0.999, eps=1e-8, weight_decay=0.0, amsgrad=False, maximize=False,
+                   decoupled=False):
+    """torch.optim.Adam's own single-tensor step on these buffers."""
+    from torch.optim.adam import _single_tensor_adam
+
+    step_t = torch.tensor(float(step) - 1.0)
+    _single_tensor_adam([param], [grad], [exp_avg], [exp_avg_sq],
+                        [max_exp_avg_sq] if amsgrad else [], [step_t], None, None, amsgrad=amsgrad,
+                        has_complex=False, beta1=beta1, beta2=beta2, lr=lr,
+                        weight_decay=weight_decay, eps=eps, maximize=maximize, capturable=False,
+                        differentiable=False, decoupled_weight_decay=decoupled)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fake (meta) kernels, so the ops work under torch.compile / FakeTensor and pass opcheck.
+
+if HAS_EXTENSION:
+
+    @torch.library.register_fake("osp::score_blocks")
+    def _(grad, param, block_size, metric, eps):
+        nb = 0 if grad.numel() == 0 else math.ceil(grad.numel() / block_size)
+        return grad.new_empty(nb, dtype=torch.float32), grad.new_empty(1, dtype=torch.int32)
+
+    for _name in ("pack_blocks", "unpack_blocks", "split_blocks", "merge_blocks", "sgd_step_",
+                  "adam_step_"):
+        torch.library.register_fake(f"osp::{_name}")(lambda *args, **kwargs: None)

@@ -25,7 +25,7 @@ def want_cuda():
 
 
 def extension():
-    cxx = ["-O3", "-std=c++17", "-ffp-contract=off"]
+    cxx = ["-O3", "-std=c++17", "-ffp-contract=off", "-fno-math-errno"]
     sources = ["csrc/bindings.cpp"] + sorted(glob.glob("csrc/cpu/*.cpp"))
     if want_cuda():
         nvcc = ["-O3", "-std=c++17", "-lineinfo"]

@@ -24,8 +24,23 @@ namespace osp {
 namespace cpu {
 
 template <typename T> inline float to_f(T x) { return static_cast<float>(x); }
+// bf16 <-> fp32 spelled out without branches (same bits as c10's conversions) so loops vectorize.
+template <> inline float to_f<c10::BFloat16>(c10::BFloat16 x) {
+  uint32_t u = uint32_t(x.x) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+inline c10::BFloat16 bf16_rne(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  const uint16_t r = static_cast<uint16_t>((u + (((u >> 16) & 1u) + 0x7FFFu)) >> 16);
+  return c10::BFloat16(f != f ? uint16_t(0x7FC0) : r, c10::BFloat16::from_bits());
+}
+template <typename T> inline T from_f(float x) { return static_cast<T>(x); }
+template <> inline c10::BFloat16 from_f<c10::BFloat16>(float x) { return bf16_rne(x); }
 // Round an fp32 value to T and back: where torch.optim materialises a tensor of dtype T.
-template <typename T> inline float rnd(float x) { return static_cast<float>(static_cast<T>(x)); }
+template <typename T> inline float rnd(float x) { return to_f(from_f<T>(x)); }
 template <> inline float rnd<float>(float x) { return x; }
 
 template <typename F> void dispatch(DType dt, F&& f) {

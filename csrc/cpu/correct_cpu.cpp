@@ -14,55 +14,86 @@ constexpr int64_t kGrain = int64_t(1) << 15;
 // ATen casts the alpha of add(a, b, alpha) to the tensor's dtype; other scalars stay fp32.
 template <typename T> float alpha(double a) { return static_cast<float>(static_cast<T>(static_cast<float>(a))); }
 
-template <typename T>
-OSP_HOT void sgd_range(T* P, const T* G, T* M, int64_t i0, int64_t i1, float wd, float mom,
-                       float mom_alpha, float damp1, float neg_lr, bool nesterov, bool maximize,
-                       bool first) {
+struct SgdScalars {
+  float wd, mom, mom_alpha, damp1, neg_lr;
+};
+
+// The flags are template parameters so the loop has no branches and vectorizes.
+template <typename T, bool MAXIMIZE, bool WD, bool MOMENTUM, bool FIRST, bool NESTEROV>
+OSP_HOT void sgd_range(T* P, const T* G, T* M, int64_t i0, int64_t i1, SgdScalars s) {
   for (int64_t i = i0; i < i1; ++i) {
     float g = to_f(G[i]);
-    if (maximize) g = -g;
+    if constexpr (MAXIMIZE) g = -g;
     const float p = to_f(P[i]);
-    if (wd != 0.f) g = rnd<T>(std::fma(p, wd, g));
-    if (M) {
-      float b = first ? g : rnd<T>(std::fma(g, damp1, rnd<T>(to_f(M[i]) * mom)));
-      M[i] = static_cast<T>(b);
-      g = nesterov ? rnd<T>(std::fma(b, mom_alpha, g)) : b;
+    if constexpr (WD) g = rnd<T>(std::fma(p, s.wd, g));
+    if constexpr (MOMENTUM) {
+      float b;
+      if constexpr (FIRST) b = g;
+      else b = rnd<T>(std::fma(g, s.damp1, rnd<T>(to_f(M[i]) * s.mom)));
+      M[i] = from_f<T>(b);
+      if constexpr (NESTEROV) g = rnd<T>(std::fma(b, s.mom_alpha, g));
+      else g = b;
     }
-    P[i] = static_cast<T>(std::fma(g, neg_lr, p));
+    P[i] = from_f<T>(std::fma(g, s.neg_lr, p));
   }
 }
 
-template <typename T>
-OSP_HOT void adam_range(T* P, const T* G, T* EA, T* ES, T* MX, int64_t i0, int64_t i1, float wd,
-                        float decay, float w1, float b2, float omb2, float bc2s, float eps,
-                        float neg_step, bool maximize, bool decoupled) {
-  const bool small = std::fabs(w1) < 0.5f;
+struct AdamScalars {
+  float wd, decay, w1, b2, omb2, bc2s, eps, neg_step;
+};
+
+// The flags are template parameters so the loop has no branches and vectorizes.
+template <typename T, bool MAXIMIZE, bool WD, bool DECOUPLED, bool AMSGRAD, bool SMALL>
+OSP_HOT void adam_range(T* P, const T* G, T* EA, T* ES, T* MX, int64_t i0, int64_t i1,
+                        AdamScalars s) {
   for (int64_t i = i0; i < i1; ++i) {
     float g = to_f(G[i]);
-    if (maximize) g = -g;
+    if constexpr (MAXIMIZE) g = -g;
     float p = to_f(P[i]);
-    if (wd != 0.f) {
-      if (decoupled) p = rnd<T>(p * decay);
-      else g = rnd<T>(std::fma(p, wd, g));
+    if constexpr (WD) {
+      if constexpr (DECOUPLED) p = rnd<T>(p * s.decay);
+      else g = rnd<T>(std::fma(p, s.wd, g));
     }
     const float e0 = to_f(EA[i]);
     const float d = g - e0;
-    const float e = rnd<T>(small ? std::fma(w1, d, e0) : std::fma(w1 - 1.f, d, g));
-    float v = rnd<T>(to_f(ES[i]) * b2);
-    v = rnd<T>(std::fma(omb2 * g, g, v));
-    EA[i] = static_cast<T>(e);
-    ES[i] = static_cast<T>(v);
-    if (MX) {
+    const float e = rnd<T>(SMALL ? std::fma(s.w1, d, e0) : std::fma(s.w1 - 1.f, d, g));
+    float v = rnd<T>(to_f(ES[i]) * s.b2);
+    v = rnd<T>(std::fma(s.omb2 * g, g, v));
+    EA[i] = from_f<T>(e);
+    ES[i] = from_f<T>(v);
+    if constexpr (AMSGRAD) {
       const float m0 = to_f(MX[i]);
-      v = (std::isnan(m0) || std::isnan(v)) ? NAN : (m0 > v ? m0 : v);
-      MX[i] = static_cast<T>(v);
+      // torch.maximum: nan if either is nan (m0 + v is nan then)
+      v = (m0 != m0 || v != v) ? m0 + v : (m0 > v ? m0 : v);
+      MX[i] = from_f<T>(v);
     }
     float den = rnd<T>(std::sqrt(v));
-    den = rnd<T>(den / bc2s);
-    den = rnd<T>(den + eps);
-    P[i] = static_cast<T>(p + (neg_step * e) / den);
+    den = rnd<T>(den / s.bc2s);
+    den = rnd<T>(den + s.eps);
+    P[i] = from_f<T>(p + (s.neg_step * e) / den);
   }
 }
+
+// Turns runtime flags into the template arguments of a kernel loop: Pick<K, T>::get(flags...)
+// returns &K::template fn<T, flags...>.
+template <typename K, typename T, bool... B> struct Pick {
+  template <typename... Rest>
+  static auto get(bool b, Rest... rest) {
+    return b ? Pick<K, T, B..., true>::get(rest...) : Pick<K, T, B..., false>::get(rest...);
+  }
+  static auto get() { return &K::template fn<T, B...>; }
+};
+struct SgdLoop {
+  template <typename T, bool... B> static void fn(T* P, const T* G, T* M, int64_t i0, int64_t i1, SgdScalars s) {
+    sgd_range<T, B...>(P, G, M, i0, i1, s);
+  }
+};
+struct AdamLoop {
+  template <typename T, bool... B>
+  static void fn(T* P, const T* G, T* EA, T* ES, T* MX, int64_t i0, int64_t i1, AdamScalars s) {
+    adam_range<T, B...>(P, G, EA, ES, MX, i0, i1, s);
+  }
+};
 
 }  // namespace
 
@@ -73,11 +104,11 @@ void sgd_step(DType dt, void* param, const void* grad, void* momentum_buf, int64
     auto P = static_cast<T*>(param);
     auto G = static_cast<const T*>(grad);
     auto M = h.momentum != 0.0 ? static_cast<T*>(momentum_buf) : nullptr;
-    at::parallel_for(0, n, kGrain, [&](int64_t i0, int64_t i1) {
-      sgd_range<T>(P, G, M, i0, i1, alpha<T>(h.weight_decay), float(h.momentum),
-                   alpha<T>(h.momentum), alpha<T>(1.0 - h.dampening), alpha<T>(-h.lr), h.nesterov,
-                   h.maximize, h.first);
-    });
+    const SgdScalars sc{alpha<T>(h.weight_decay), float(h.momentum), alpha<T>(h.momentum),
+                        alpha<T>(1.0 - h.dampening), alpha<T>(-h.lr)};
+    auto fn = Pick<SgdLoop, T>::get(h.maximize, h.weight_decay != 0.0, M != nullptr, h.first,
+                                    h.nesterov);
+    at::parallel_for(0, n, kGrain, [&](int64_t i0, int64_t i1) { fn(P, G, M, i0, i1, sc); });
   });
 }
 
@@ -90,13 +121,14 @@ void adam_step(DType dt, void* param, const void* grad, void* exp_avg, void* exp
   const double bc2_sqrt = std::pow(bc2, 0.5);
   dispatch(dt, [&](auto tag) {
     using T = decltype(tag);
-    auto MX = h.amsgrad ? static_cast<T*>(max_exp_avg_sq) : nullptr;
+    const AdamScalars sc{alpha<T>(h.weight_decay), float(1.0 - h.lr * h.weight_decay),
+                         float(1.0 - h.beta1), float(h.beta2), float(1.0 - h.beta2),
+                         float(bc2_sqrt), float(h.eps), float(-step_size)};
+    const bool small = std::fabs(sc.w1) < 0.5f;
+    auto fn = Pick<AdamLoop, T>::get(h.maximize, h.weight_decay != 0.0, h.decoupled, h.amsgrad, small);
     at::parallel_for(0, n, kGrain, [&](int64_t i0, int64_t i1) {
-      adam_range<T>(static_cast<T*>(param), static_cast<const T*>(grad), static_cast<T*>(exp_avg),
-                    static_cast<T*>(exp_avg_sq), MX, i0, i1, alpha<T>(h.weight_decay),
-                    float(1.0 - h.lr * h.weight_decay), float(1.0 - h.beta1), float(h.beta2),
-                    float(1.0 - h.beta2), float(bc2_sqrt), float(h.eps), float(-step_size),
-                    h.maximize, h.decoupled);
+      fn(static_cast<T*>(param), static_cast<const T*>(grad), static_cast<T*>(exp_avg),
+         static_cast<T*>(exp_avg_sq), static_cast<T*>(max_exp_avg_sq), i0, i1, sc);
     });
   });
 }

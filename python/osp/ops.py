@@ -50,6 +50,12 @@ def _metric_id(metric: str) -> int:
     return METRICS[metric]
 
 
+def _check_dense(t: Optional[torch.Tensor], name: str) -> None:
+    # The dispatcher's own message for a sparse tensor names no argument; say what is wrong.
+    if t is not None and t.layout != torch.strided:
+        raise RuntimeError(f"osp: {name} must be a dense tensor, got layout {t.layout}")
+
+
 def _check_block_size(block_size) -> None:
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
         raise ValueError(f"osp: block_size must be a positive integer, got {block_size!r}")
@@ -71,6 +77,8 @@ def packed_numel(numel: int, block_ids: torch.Tensor, block_size: int) -> int:
 def mask_numels(numel: int, mask: torch.Tensor, block_size: int) -> Tuple[int, int]:
     """(critical, deferred) packed lengths for a per-block mask (syncs once on CUDA)."""
     nb = num_blocks(numel, block_size)
+    if mask.dim() != 1 or mask.numel() != nb:
+        raise RuntimeError(f"osp: mask must have one entry per block ({nb}), got {mask.numel()}")
     if nb == 0:
         return 0, 0
     sel = int(mask.sum())
@@ -96,6 +104,8 @@ def score_blocks(
     """
     _check_block_size(block_size)
     mid = _metric_id(metric)
+    _check_dense(grad, "grad")
+    _check_dense(param, "param")
     if _use_extension():
         return torch.ops.osp.score_blocks(grad, param, block_size, mid, eps)
     return ref_score_blocks(grad, block_size, metric, param, eps)
@@ -114,6 +124,7 @@ def pack_blocks(
 ) -> torch.Tensor:
     """Gather the blocks ``block_ids`` (int64, any order, distinct) of ``flat`` into one buffer."""
     _check_block_size(block_size)
+    _check_dense(flat, "flat")
     if out is None:
         _check_ids_tensor(block_ids)
         out = torch.empty(packed_numel(flat.numel(), block_ids, block_size), dtype=flat.dtype,
@@ -145,6 +156,7 @@ def split_blocks(
     """One pass over ``flat``: blocks with ``mask`` set go to ``critical``, the others to
     ``deferred``, each in ascending block order. Missing outputs are allocated."""
     _check_block_size(block_size)
+    _check_dense(flat, "flat")
     if critical is None or deferred is None:
         nc, nd = mask_numels(flat.numel(), mask, block_size)
         if critical is None:

@@ -1,0 +1,204 @@
+"""Communication backends: one small interface, two engines.
+
+``Comm`` offers what the optimizer needs: in-place allreduce-average (blocking or asynchronous with a
+handle), wait, poll, broadcast, rank and size. ``HorovodComm`` runs on ``horovod.torch`` (NCCL on
+GPUs, Gloo or MPI on CPUs); ``TorchComm`` on ``torch.distributed`` (NCCL or Gloo). ``get_comm("auto")``
+picks Horovod when it is initialized, else an initialized default process group.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any, Optional
+
+import torch
+
+
+class Handle:
+    """An in-flight allreduce-average of ``tensor``; pass it to ``Comm.wait`` / ``Comm.poll``."""
+
+    __slots__ = ("tensor", "work", "done")
+
+    def __init__(self, tensor: torch.Tensor, work: Any):
+        self.tensor, self.work, self.done = tensor, work, False
+
+
+class Comm:
+    name = "base"
+
+    @property
+    def rank(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def size(self) -> int:
+        raise NotImplementedError
+
+    def allreduce_avg_async_(self, tensor: torch.Tensor, name: str) -> Handle:
+        raise NotImplementedError
+
+    def wait(self, handle: Handle) -> torch.Tensor:
+        raise NotImplementedError
+
+    def poll(self, handle: Handle) -> bool:
+        raise NotImplementedError
+
+    def broadcast_(self, tensor: torch.Tensor, root: int, name: str) -> None:
+        raise NotImplementedError
+
+    def allgather_object(self, obj: Any) -> list:
+        raise NotImplementedError
+
+    def allreduce_avg_(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        return self.wait(self.allreduce_avg_async_(tensor, name))
+
+
+class HorovodComm(Comm):
+    name = "horovod"
+
+    def __init__(self):
+        import horovod.torch as hvd
+
+        if not hvd.is_initialized():
+            raise RuntimeError("osp: backend 'horovod' needs hvd.init() first")
+        self.hvd = hvd
+
+    @property
+    def rank(self) -> int:
+        return self.hvd.rank()
+
+    @property
+    def size(self) -> int:
+        return self.hvd.size()
+
+    def allreduce_avg_async_(self, tensor, name):
+        if tensor.numel() == 0:
+            h = Handle(tensor, None)
+            h.done = True
+            return h
+        return Handle(tensor, self.hvd.allreduce_async_(tensor, name=name, op=self.hvd.Average))
+
+    def wait(self, handle):
+        if not handle.done:
+            self.hvd.synchronize(handle.work)
+            handle.done = True
+        return handle.tensor
+
+    def poll(self, handle):
+        return handle.done or bool(self.hvd.poll(handle.work))
+
+    def broadcast_(self, tensor, root, name):
+        self.hvd.broadcast_(tensor, root, name=name)
+
+    def allgather_object(self, obj):
+        return self.hvd.allgather_object(obj)
+
+
+class TorchComm(Comm):
+    """torch.distributed: allreduce-sum then divide by the world size (Gloo has no AVG)."""
+
+    name = "torch"
+
+    def __init__(self, group=None):
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("osp: backend 'torch' needs torch.distributed.init_process_group() first")
+        self.dist, self.group = dist, group
+
+    @property
+    def rank(self) -> int:
+        return self.dist.get_rank(self.group)
+
+    @property
+    def size(self) -> int:
+        return self.dist.get_world_size(self.group)
+
+    def allreduce_avg_async_(self, tensor, name):
+        if tensor.numel() == 0:
+            h = Handle(tensor, None)
+            h.done = True
+            return h
+        return Handle(tensor, self.dist.all_reduce(tensor, group=self.group, async_op=True))
+
+    def wait(self, handle):
+        if not handle.done:
+            handle.work.wait()
+            handle.tensor.div_(self.size)
+            handle.done = True
+        return handle.tensor
+
+    def poll(self, handle):
+        return handle.done or handle.work.is_completed()
+
+    def broadcast_(self, tensor, root, name):
+        self.dist.broadcast(tensor, root, group=self.group)
+
+    def allgather_object(self, obj):
+        out = [None] * self.size
+        self.dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+
+def horovod_initialized() -> bool:
+    try:
+        import horovod.torch as hvd
+    except ImportError:
+        return False
+    try:
+        return bool(hvd.is_initialized())
+    except Exception:
+        return False
+
+
+def get_comm(backend: str | Comm = "auto") -> Comm:
+    """``"auto"`` (Horovod when initialized, else torch.distributed), ``"horovod"``, ``"torch"``,
+    or a ready ``Comm``."""
+    if isinstance(backend, Comm):
+        return backend
+    if backend == "auto":
+        if horovod_initialized():
+            return HorovodComm()
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return TorchComm()
+        raise RuntimeError(
+            "osp: backend='auto' found neither an initialized Horovod (call hvd.init()) nor an "
+            "initialized torch.distributed process group (call init_process_group())")
+    if backend == "horovod":
+        return HorovodComm()
+    if backend == "torch":
+        return TorchComm()
+    raise ValueError(f"osp: unknown backend {backend!r}: expected 'auto', 'horovod', 'torch' or a Comm")
+
+
+def init_from_env(backend: str, timeout_s: Optional[float] = None) -> Comm:
+    """Start the engine of ``backend`` from the launcher's environment and return its Comm.
+
+    ``horovod``: ``hvd.init()`` (horovodrun or mpirun). ``torch``: Gloo (CPU) or NCCL (CUDA)
+    process group from torchrun's variables, or from Open MPI's (``OMPI_COMM_WORLD_*``) when started
+    by ``mpirun``, with ``MASTER_ADDR``/``MASTER_PORT`` from the environment.
+    """
+    if backend == "horovod":
+        import horovod.torch as hvd
+
+        hvd.init()
+        return HorovodComm()
+    if backend == "torch":
+        import torch.distributed as dist
+
+        env = os.environ
+        if "RANK" not in env and "OMPI_COMM_WORLD_RANK" in env:
+            env["RANK"] = env["OMPI_COMM_WORLD_RANK"]
+            env["WORLD_SIZE"] = env["OMPI_COMM_WORLD_SIZE"]
+            env["LOCAL_RANK"] = env.get("OMPI_COMM_WORLD_LOCAL_RANK", "0")
+        env.setdefault("MASTER_ADDR", "127.0.0.1")
+        env.setdefault("MASTER_PORT", "29500")
+        pg = "nccl" if torch.cuda.is_available() else "gloo"
+        kw = {}
+        if timeout_s is not None:
+            kw["timeout"] = datetime.timedelta(seconds=timeout_s)
+        dist.init_process_group(pg, **kw)
+        return TorchComm()
+    raise ValueError(f"osp: unknown backend {backend!r}: expected 'horovod' or 'torch'")

@@ -1,0 +1,66 @@
+"""Start real ranks in separate processes under a real launcher, with a hard time limit."""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from typing import Sequence
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PY = sys.executable
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(extra=None):
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONPATH"] = HERE + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra or {})
+    return env
+
+
+def horovodrun_cmd(np_: int, argv: Sequence[str]) -> list:
+    exe = shutil.which("horovodrun", path=os.path.dirname(PY)) or shutil.which("horovodrun")
+    if exe is None:
+        raise RuntimeError("horovodrun not found: run `make install`")
+    return [exe, "--gloo", "-np", str(np_), "-H", f"localhost:{np_}", "--start-timeout", "60",
+            PY, *argv]
+
+
+def torchrun_cmd(np_: int, argv: Sequence[str]) -> list:
+    return [PY, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(np_),
+            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *argv]
+
+
+def mpirun_cmd(np_: int, argv: Sequence[str]) -> list:
+    return ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(np_), "-x", "PYTHONPATH",
+            "-x", "OMP_NUM_THREADS", "-x", "MASTER_ADDR", "-x", "MASTER_PORT", PY, *argv]
+
+
+def run(launcher: str, np_: int, argv: Sequence[str], timeout: float = 240, env=None):
+    """Run ``argv`` (a python script and its args) on ``np_`` ranks; returns CompletedProcess."""
+    extra = dict(env or {})
+    if launcher == "horovod":
+        cmd = horovodrun_cmd(np_, argv)
+    elif launcher == "torch":
+        cmd = torchrun_cmd(np_, argv)
+    elif launcher == "mpirun":
+        extra.setdefault("MASTER_ADDR", "127.0.0.1")
+        extra.setdefault("MASTER_PORT", str(free_port()))
+        cmd = mpirun_cmd(np_, argv)
+    else:
+        raise ValueError(launcher)
+    return subprocess.run(cmd, env=_env(extra), capture_output=True, text=True, timeout=timeout)
+
+
+def check(proc) -> None:
+    assert proc.returncode == 0, (
+        f"ranks failed (exit {proc.returncode})\n--- stdout\n{proc.stdout[-6000:]}\n--- stderr\n"
+        f"{proc.stderr[-6000:]}")

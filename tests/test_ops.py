@@ -1,0 +1,335 @@
+"""Kernels against their pure-PyTorch references, bad input, opcheck, and the exact optimizer steps
+against torch.optim. Written once per device: CUDA cases skip only when there is no GPU."""
+from itertools import product
+
+import pytest
+import torch
+
+from osp import ops
+
+assert ops.HAS_EXTENSION, "osp._C did not build; these tests check the compiled kernels"
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+DEVICES = ["cpu", "cuda"]
+NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+def grid(*axes):
+    """The product of the axes as pytest params; a case on "cuda" skips only when there is no GPU."""
+    return [pytest.param(*c, marks=[NO_CUDA] if "cuda" in c else []) for c in product(*axes)]
+BS = 32
+SIZES = [0, 1, BS - 1, BS, BS + 1, 37 * BS + 5, 64 * BS]
+METRICS = ["l2", "l1", "max", "relative"]
+# ATen's vector kernels use fused multiply-adds only where the CPU has them.
+CPU_HAS_FMA = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+def poison(t):
+    return t.fill_(float("nan"))
+
+
+def rand(n, dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, generator=g).to(dtype=dtype, device=device)
+
+
+def random_ids(nb, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randperm(nb, generator=g)[:k].to(torch.int64)
+
+
+def score_tol(dtype):
+    return dict(rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device,dtype,n,metric", grid(DEVICES, DTYPES, SIZES, METRICS))
+def test_score_blocks(device, dtype, n, metric):
+    g = rand(n, dtype, device)
+    w = rand(n, dtype, device, seed=1)
+    scores, nf = ops.score_blocks(g, BS, metric, param=w)
+    ref, ref_nf = ops.ref_score_blocks(g, BS, metric, param=w)
+    assert scores.dtype == torch.float32 and scores.shape == (ops.num_blocks(n, BS),)
+    torch.testing.assert_close(scores, ref, **score_tol(dtype))
+    assert int(nf) == 0 == int(ref_nf)
+    assert torch.equal(ops.block_scores(g, BS, metric, param=w), scores)
+
+
+@pytest.mark.parametrize("device,dtype,bad", grid(DEVICES, DTYPES, ["inf", "-inf", "nan"]))
+def test_score_blocks_flags_nonfinite(device, dtype, bad):
+    n = 9 * BS + 3
+    for pos in (0, 5 * BS + 17, n - 1):
+        g = rand(n, dtype, device)
+        g[pos] = float(bad)
+        for metric in METRICS:
+            _, nf = ops.score_blocks(g, BS, metric, param=torch.ones_like(g))
+            assert int(nf) == 1, (metric, pos)
+
+
+@pytest.mark.parametrize("device,dtype,n", grid(DEVICES, DTYPES, SIZES))
+def test_pack_unpack(device, dtype, n):
+    flat = rand(n, dtype, device)
+    nb = ops.num_blocks(n, BS)
+    cases = {"none": torch.empty(0, dtype=torch.int64), "all": torch.arange(nb),
+             "reversed": torch.arange(nb).flip(0), "some": random_ids(nb, (nb + 1) // 2)}
+    for label, ids in cases.items():
+        ids = ids.to(device)
+        ref = flat.new_empty(ops.packed_numel(n, ids, BS))
+        ops.ref_pack_blocks(flat, ids, BS, ref)
+        out = poison(torch.empty_like(ref))
+        got = ops.pack_blocks(flat, ids, BS, out=out)
+        assert got is out
+        assert torch.equal(out, ref), label
+        assert torch.equal(ops.pack_blocks(flat, ids, BS), ref), label
+        # unpack into a poisoned flat: exactly the listed blocks are written
+        target = poison(torch.empty_like(flat))
+        expect = target.clone()
+        ops.ref_unpack_blocks(ref, ids, BS, expect)
+        ops.unpack_blocks(ref, ids, BS, target)
+        assert torch.equal(target.isnan(), expect.isnan()), label
+        assert torch.equal(target[~target.isnan()], expect[~expect.isnan()]), label
+        # accumulate adds
+        acc = flat.clone()
+        ops.unpack_blocks(ref, ids, BS, acc, accumulate=True)
+        expect = flat.clone()
+        ops.ref_unpack_blocks(ref, ids, BS, expect, accumulate=True)
+        assert torch.equal(acc, expect), label
+
+
+@pytest.mark.parametrize("device,dtype,n", grid(DEVICES, DTYPES, SIZES))
+def test_split_merge(device, dtype, n):
+    flat = rand(n, dtype, device)
+    nb = ops.num_blocks(n, BS)
+    g = torch.Generator().manual_seed(n)
+    masks = [torch.zeros(nb, dtype=torch.bool), torch.ones(nb, dtype=torch.bool),
+             torch.rand(nb, generator=g) < 0.3]
+    if nb:
+        m = torch.zeros(nb, dtype=torch.bool)
+        m[-1] = True  # only the short last block critical
+        masks.append(m)
+    for mask in masks:
+        mask = mask.to(device)
+        nc, nd = ops.mask_numels(n, mask, BS)
+        rc, rd = flat.new_empty(nc), flat.new_empty(nd)
+        ops.ref_split_blocks(flat, mask, BS, rc, rd)
+        c, d = poison(flat.new_empty(nc)), poison(flat.new_empty(nd))
+        ops.split_blocks(flat, mask, BS, c, d)
+        assert torch.equal(c, rc) and torch.equal(d, rd)
+        # the same as pack with the sorted ids of each side
+        ids = mask.nonzero().flatten()
+        assert torch.equal(c, ops.pack_blocks(flat, ids, BS))
+        back = poison(torch.empty_like(flat))
+        ops.merge_blocks(c, d, mask, BS, back)
+        assert torch.equal(back, flat)
+        # one side only: the other side's blocks stay as they were
+        half = poison(torch.empty_like(flat))
+        ops.merge_blocks(c, None, mask, BS, half)
+        expect = poison(torch.empty_like(flat))
+        ops.ref_merge_blocks(c, None, mask, BS, expect)
+        assert torch.equal(half.isnan(), expect.isnan())
+        assert torch.equal(half[~half.isnan()], expect[~expect.isnan()])
+        c2, d2 = ops.split_blocks(flat, mask, BS)
+        assert torch.equal(c2, rc) and torch.equal(d2, rd)
+
+
+@pytest.mark.parametrize("device", grid(DEVICES))
+def test_bad_input_is_a_clear_error(device):
+    flat = rand(5 * BS + 3, torch.float32, device)
+    ids = torch.tensor([1, 3], device=device)
+    out = flat.new_empty(2 * BS)
+    with pytest.raises(RuntimeError, match="appears more than once|more than once"):
+        ops.pack_blocks(flat, torch.tensor([1, 1], device=device), BS, out=out)
+    with pytest.raises(RuntimeError, match=r"out of range: expected 0 <= id < 6"):
+        ops.pack_blocks(flat, torch.tensor([1, 6], device=device), BS, out=out)
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.pack_blocks(flat, torch.tensor([-1, 2], device=device), BS, out=out)
+    with pytest.raises((RuntimeError, TypeError), match="block_ids must be int64, got Int"):
+        ops.pack_blocks(flat, ids.int(), BS, out=out)
+    with pytest.raises(RuntimeError, match="flat must be float32, float16 or bfloat16, got Double"):
+        ops.pack_blocks(flat.double(), ids, BS, out=out.double())
+    with pytest.raises(RuntimeError, match="out must be Half like flat, got Float"):
+        ops.pack_blocks(flat.half(), ids, BS, out=out)
+    with pytest.raises(RuntimeError, match=f"out must have {2 * BS} elements, got {2 * BS + 1}"):
+        ops.pack_blocks(flat, ids, BS, out=flat.new_empty(2 * BS + 1))
+    with pytest.raises(RuntimeError, match="must be contiguous"):
+        ops.pack_blocks(flat[::2], ids, BS, out=out)
+    with pytest.raises(RuntimeError, match="buf must have"):
+        ops.unpack_blocks(flat.new_empty(3), ids, BS, flat)
+    with pytest.raises(ValueError, match="block_size must be a positive integer, got 0"):
+        ops.pack_blocks(flat, ids, 0)
+    with pytest.raises(ValueError, match="block_size must be a positive integer, got -4"):
+        ops.block_scores(flat, -4)
+    with pytest.raises(RuntimeError, match="block_size must be a positive integer, got 0"):
+        torch.ops.osp.score_blocks(flat, None, 0, 0, 1e-8)
+    with pytest.raises(ValueError, match="unknown metric 'l3'"):
+        ops.block_scores(flat, BS, "l3")
+    with pytest.raises(RuntimeError, match="metric must be 0"):
+        torch.ops.osp.score_blocks(flat, None, BS, 7, 1e-8)
+    with pytest.raises(RuntimeError, match="'relative' needs the flat parameter"):
+        ops.block_scores(flat, BS, "relative")
+    with pytest.raises(RuntimeError, match="param must have"):
+        ops.block_scores(flat, BS, "relative", param=flat[:-1])
+    with pytest.raises(RuntimeError, match="mask must have one entry per block \\(6\\), got 5"):
+        ops.split_blocks(flat, torch.ones(5, dtype=torch.bool, device=device), BS)
+    with pytest.raises(RuntimeError, match="mask must be bool or uint8, got Float"):
+        torch.ops.osp.split_blocks(flat, torch.ones(6, device=device), BS, None, None)
+    with pytest.raises(RuntimeError, match="critical must have"):
+        torch.ops.osp.split_blocks(flat, torch.ones(6, dtype=torch.bool, device=device), BS,
+                                   flat.new_empty(3), None)
+    with pytest.raises(RuntimeError, match="dense"):
+        ops.block_scores(flat.to_sparse(), BS)
+    with pytest.raises(RuntimeError, match="momentum_buffer, got None"):
+        ops.sgd_step_(flat, flat, None, lr=0.1, momentum=0.9)
+    with pytest.raises(RuntimeError, match="grad must have"):
+        ops.sgd_step_(flat, flat[:-1], None, lr=0.1)
+    with pytest.raises(RuntimeError, match="amsgrad needs max_exp_avg_sq"):
+        ops.adam_step_(flat, flat, flat.clone(), flat.clone(), None, step=1, lr=0.1, amsgrad=True)
+    with pytest.raises(RuntimeError, match=r"\(>= 1\), got 0"):
+        ops.adam_step_(flat, flat, flat.clone(), flat.clone(), None, step=0, lr=0.1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_mixed_devices_refused():
+    flat = torch.randn(4 * BS)
+    with pytest.raises(RuntimeError, match="block_ids must be on cpu"):
+        torch.ops.osp.pack_blocks(flat, torch.tensor([0], device="cuda"), BS, flat.new_empty(BS))
+    with pytest.raises(RuntimeError, match="grad must be on"):
+        ops.sgd_step_(flat.cuda(), flat, None, lr=0.1)
+
+
+@pytest.mark.parametrize("device", grid(DEVICES))
+def test_opcheck(device):
+    n = 7 * BS + 3
+    flat = rand(n, torch.float32, device)
+    ids = torch.tensor([4, 0, 7], device=device)
+    mask = torch.tensor([1, 0, 0, 1, 0, 1, 0, 1], dtype=torch.bool, device=device)
+    nc, nd = ops.mask_numels(n, mask, BS)
+    st = [flat.clone() for _ in range(3)]
+    cases = [
+        (torch.ops.osp.score_blocks.default, (flat, None, BS, 0, 1e-8)),
+        (torch.ops.osp.score_blocks.default, (flat, flat.abs(), BS, 3, 1e-8)),
+        (torch.ops.osp.pack_blocks.default, (flat, ids, BS, flat.new_empty(2 * BS + 3))),
+        (torch.ops.osp.unpack_blocks.default, (flat[: 2 * BS + 3].clone(), ids, BS, flat.clone(), False)),
+        (torch.ops.osp.split_blocks.default, (flat, mask, BS, flat.new_empty(nc), flat.new_empty(nd))),
+        (torch.ops.osp.merge_blocks.default, (flat[:nc].clone(), flat[:nd].clone(), mask, BS, flat.clone())),
+        (torch.ops.osp.sgd_step_.default, (flat.clone(), flat, flat.clone(), 0.1, 0.9, 0.0, 0.0, False, False, False)),
+        (torch.ops.osp.adam_step_.default, (flat.clone(), flat, st[0], st[1].abs(), st[2].abs(), 2.0,
+                                            1e-3, 0.9, 0.999, 1e-8, 0.0, True, False, False)),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args)
+
+
+# ------------------------------------------------------------------------------------------------
+# Exact optimizer steps against torch.optim over several steps.
+
+SGD_CASES = [
+    dict(lr=0.1),
+    dict(lr=0.1, momentum=0.9),
+    dict(lr=0.05, momentum=0.9, dampening=0.2, weight_decay=1e-2),
+    dict(lr=0.05, momentum=0.8, nesterov=True, weight_decay=5e-3),
+    dict(lr=0.1, momentum=0.9, maximize=True, weight_decay=1e-3),
+    dict(lr=0.1, weight_decay=0.1, maximize=True),
+]
+ADAM_CASES = [
+    ("Adam", dict(lr=1e-3)),
+    ("Adam", dict(lr=1e-2, betas=(0.8, 0.95), weight_decay=1e-2)),
+    ("Adam", dict(lr=1e-3, amsgrad=True, weight_decay=1e-3)),
+    ("Adam", dict(lr=1e-3, maximize=True, eps=1e-6)),
+    ("Adam", dict(lr=1e-3, betas=(0.3, 0.9))),  # lerp weight >= 0.5: the other branch
+    ("AdamW", dict(lr=1e-3)),
+    ("AdamW", dict(lr=1e-2, weight_decay=0.1, amsgrad=True)),
+    ("AdamW", dict(lr=1e-3, weight_decay=0.05, maximize=True)),
+]
+STEPS = 6
+
+
+def max_ulps(a, b):
+    """Largest distance in units in the last place between two tensors of the same dtype."""
+    assert a.dtype == b.dtype
+    if a.dtype == torch.float32:
+        ia, ib = a.view(torch.int32).long(), b.view(torch.int32).long()
+    else:
+        ia, ib = a.view(torch.int16).long(), b.view(torch.int16).long()
+    return int((ia - ib).abs().max()) if a.numel() else 0
+
+
+def scaled_error(a, b):
+    """max |a - b| in units of eps(dtype) * max |b|: 1.0 is one ulp at the tensor's largest value.
+    Non-finite elements (fp16 Adam overflows with eps=1e-8, in torch.optim too) must coincide."""
+    fin = torch.isfinite(b)
+    assert torch.equal(fin, torch.isfinite(a)), "non-finite elements differ"
+    assert torch.equal(a[~fin].nan_to_num(), b[~fin].nan_to_num()), "non-finite elements differ"
+    a, b = a[fin], b[fin]
+    if b.numel() == 0:
+        return 0.0
+    scale = float(b.float().abs().max()) * torch.finfo(b.dtype).eps
+    return float((a.float() - b.float()).abs().max()) / scale if scale else 0.0
+
+
+def assert_steps_match(ours, theirs, dtype, exact):
+    for name, a, b in zip(("param", "state 1", "state 2", "state 3"), ours, theirs):
+        if exact:
+            assert torch.equal(a, b), f"{name}: {int((a != b).sum())} elements differ"
+        else:
+            # ATen's CPU sqrt is not correctly rounded (1 ulp), and CUDA rounds differently: allow
+            # an ulp of the tensor's scale per step.
+            err = scaled_error(a, b)
+            assert err <= STEPS, f"{name}: {err:.2f} ulps of the tensor's scale apart"
+
+
+@pytest.mark.parametrize("device,dtype,case", grid(DEVICES, DTYPES, range(len(SGD_CASES))))
+def test_sgd_step_matches_torch_optim(device, dtype, case):
+    kw = SGD_CASES[case]
+    n = 4099
+    p_ref = torch.nn.Parameter(rand(n, dtype, device))
+    opt = torch.optim.SGD([p_ref], foreach=False, **kw)
+    p = p_ref.detach().clone()
+    buf = torch.zeros_like(p)
+    momentum = kw.get("momentum", 0.0)
+    for step in range(STEPS):
+        g = rand(n, dtype, device, seed=100 + step)
+        p_ref.grad = g.clone()
+        opt.step()
+        ops.sgd_step_(p, g, buf if momentum else None, first=step == 0,
+                      **{k: v for k, v in kw.items()})
+        ref_buf = opt.state[p_ref].get("momentum_buffer")
+        ours = [p] + ([buf] if momentum else [])
+        theirs = [p_ref.detach()] + ([ref_buf] if momentum else [])
+        # bitwise on a CPU with FMA in fp32; fp16/bf16 scalar tails round alpha differently
+        exact = device == "cpu" and dtype == torch.float32 and CPU_HAS_FMA
+        assert_steps_match(ours, theirs, dtype, exact)
+
+
+@pytest.mark.parametrize("device,dtype,case", grid(DEVICES, DTYPES, range(len(ADAM_CASES))))
+def test_adam_step_matches_torch_optim(device, dtype, case):
+    cls, kw = ADAM_CASES[case]
+    n = 4099
+    p_ref = torch.nn.Parameter(rand(n, dtype, device))
+    opt = getattr(torch.optim, cls)([p_ref], foreach=False, **kw)
+    p = p_ref.detach().clone()
+    ea, es, mx = torch.zeros_like(p), torch.zeros_like(p), torch.zeros_like(p)
+    beta1, beta2 = kw.get("betas", (0.9, 0.999))
+    wd = kw.get("weight_decay", 1e-2 if cls == "AdamW" else 0.0)
+    amsgrad = kw.get("amsgrad", False)
+    for step in range(1, STEPS + 1):
+        g = rand(n, dtype, device, seed=200 + step)
+        p_ref.grad = g.clone()
+        opt.step()
+        ops.adam_step_(p, g, ea, es, mx if amsgrad else None, step=step, lr=kw["lr"], beta1=beta1,
+                       beta2=beta2, eps=kw.get("eps", 1e-8), weight_decay=wd, amsgrad=amsgrad,
+                       maximize=kw.get("maximize", False), decoupled=cls == "AdamW")
+        st = opt.state[p_ref]
+        ours = [p, ea, es] + ([mx] if amsgrad else [])
+        theirs = [p_ref.detach(), st["exp_avg"], st["exp_avg_sq"]] + (
+            [st["max_exp_avg_sq"]] if amsgrad else [])
+        assert_steps_match(ours, theirs, dtype, exact=False)
+
+
+def test_reference_fallback_matches_kernels():
+    """The pure-PyTorch references agree with the kernels on one mixed case (the fallback path)."""
+    n = 11 * BS + 7
+    flat = rand(n, torch.float32, "cpu")
+    ids = torch.tensor([10, 2, 11, 5])
+    a = ops.pack_blocks(flat, ids, BS)
+    b = ops.ref_pack_blocks(flat, ids, BS, torch.empty_like(a))
+    assert torch.equal(a, b)

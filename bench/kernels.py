@@ -17,7 +17,6 @@ import sys
 import time
 
 import torch
-
 from osp import ops
 
 BS = 4096

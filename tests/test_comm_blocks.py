@@ -2,9 +2,8 @@
 import json
 import os
 
-import pytest
-
 import launch
+import pytest
 
 pytestmark = pytest.mark.multiproc
 

@@ -4,7 +4,6 @@ from itertools import product
 
 import pytest
 import torch
-
 from osp import ops
 
 assert ops.HAS_EXTENSION, "osp._C did not build; these tests check the compiled kernels"
@@ -211,7 +210,8 @@ def test_opcheck(device):
         (torch.ops.osp.unpack_blocks.default, (flat[: 2 * BS + 3].clone(), ids, BS, flat.clone(), False)),
         (torch.ops.osp.split_blocks.default, (flat, mask, BS, flat.new_empty(nc), flat.new_empty(nd))),
         (torch.ops.osp.merge_blocks.default, (flat[:nc].clone(), flat[:nd].clone(), mask, BS, flat.clone())),
-        (torch.ops.osp.sgd_step_.default, (flat.clone(), flat, flat.clone(), 0.1, 0.9, 0.0, 0.0, False, False, False)),
+        (torch.ops.osp.sgd_step_.default,
+         (flat.clone(), flat, flat.clone(), 0.1, 0.9, 0.0, 0.0, False, False, False)),
         (torch.ops.osp.adam_step_.default, (flat.clone(), flat, st[0], st[1].abs(), st[2].abs(), 2.0,
                                             1e-3, 0.9, 0.999, 1e-8, 0.0, True, False, False)),
     ]

@@ -29,7 +29,7 @@ std::vector<int64_t> side_offsets(const uint8_t* mask, int64_t n, int64_t bs) {
 }
 
 template <typename T> OSP_HOT void add_into(T* dst, const T* src, int64_t len) {
-  for (int64_t i = 0; i < len; ++i) dst[i] = static_cast<T>(to_f(dst[i]) + to_f(src[i]));
+  for (int64_t i = 0; i < len; ++i) dst[i] = from_f<T>(to_f(dst[i]) + to_f(src[i]));
 }
 
 }  // namespace

@@ -6,7 +6,6 @@ import json
 import sys
 
 import torch
-
 from osp import comm as C
 from osp import ops
 

@@ -1,0 +1,40 @@
+# osp: `make test` installs everything it needs (see scripts/install.sh), then runs the tests.
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+NVCC ?= $(shell command -v nvcc 2>/dev/null || ( [ -x /usr/local/cuda/bin/nvcc ] && echo /usr/local/cuda/bin/nvcc ))
+CUDA_ARCHS := -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90
+CUDA_SRCS := $(wildcard csrc/cuda/*.cu)
+PYTEST_ARGS ?=
+
+.PHONY: install test test-only lint cuda-check bench-kernels demo bench clean
+
+install:
+	@bash scripts/install.sh
+
+test: install
+	@if [ -n "$(NVCC)" ]; then $(MAKE) --no-print-directory cuda-check; else echo "cuda-check: no nvcc, skipped"; fi
+	@$(MAKE) --no-print-directory lint
+	@$(MAKE) --no-print-directory test-only
+
+test-only:
+	$(PY) -m pytest -q -rs $(PYTEST_ARGS)
+
+lint:
+	$(VENV)/bin/ruff check python tests bench
+
+# Compile-check every CUDA file for sm_80 and sm_90 (works without a GPU).
+cuda-check:
+	@test -n "$(NVCC)" || { echo "cuda-check: nvcc not found (set NVCC=...)"; exit 1; }
+	@mkdir -p build/cuda-check
+	@for f in $(CUDA_SRCS); do \
+	  echo "nvcc $$f"; \
+	  $(NVCC) -std=c++17 -O3 $(CUDA_ARCHS) -c $$f -o build/cuda-check/$$(basename $$f).o || exit 1; \
+	done
+	@echo "cuda-check: $(words $(CUDA_SRCS)) files compiled for sm_80 and sm_90"
+
+bench-kernels: install
+	$(PY) bench/kernels.py
+
+clean:
+	rm -rf build python/osp/*.so python/*.egg-info

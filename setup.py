@@ -25,7 +25,7 @@ def want_cuda():
 
 
 def extension():
-    cxx = ["-O3", "-std=c++17", "-ffp-contract=off", "-fno-math-errno"]
+    cxx = ["-O3", "-std=c++17", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"]
     sources = ["csrc/bindings.cpp"] + sorted(glob.glob("csrc/cpu/*.cpp"))
     if want_cuda():
         nvcc = ["-O3", "-std=c++17", "-lineinfo"]
@@ -34,8 +34,10 @@ def extension():
             sources + sorted(glob.glob("csrc/cuda/*.cu")),
             define_macros=[("WITH_CUDA", None)],
             extra_compile_args={"cxx": cxx, "nvcc": nvcc},
+            extra_link_args=["-fopenmp"],
         )
-    return CppExtension("osp._C", sources, extra_compile_args={"cxx": cxx})
+    # at::parallel_for is inline OpenMP: without -fopenmp here it would run on one thread.
+    return CppExtension("osp._C", sources, extra_compile_args={"cxx": cxx}, extra_link_args=["-fopenmp"])
 
 
 setup(

@@ -4,8 +4,10 @@ job, all measured in the same run. Checks correctness before timing anything.
 
     python bench/kernels.py [--sizes 1M,4M,16M,64M] [--dtypes float32,float16,bfloat16] [--device cpu]
 
-Bandwidth counts the bytes a pass must move (read + write). "x copy" is the pass's bandwidth over
-clone's bandwidth; "x torch" is the composition's time over the kernel's time (higher is better).
+Bandwidth counts the bytes a pass must move (read + write). "x clone" is the pass's bandwidth over
+the bandwidth of torch.clone of the same tensor (which allocates, as the composition does);
+"x copy_" over a copy_ into a buffer allocated beforehand (the memory system's plain streaming
+rate); "x torch" is the composition's time over the kernel's time. Higher is better.
 """
 from __future__ import annotations
 
@@ -82,14 +84,20 @@ def bench_one(n, dtype, device, reps):
     rows = []
     t_copy = timeit(lambda: g.clone(), device, reps)
     bw_copy = 2 * n * elt / t_copy
+    dst = torch.empty_like(g)
+    bw_copy_ = 2 * n * elt / timeit(lambda: dst.copy_(g), device, reps)  # no allocation
 
     crit = g.new_empty(k * BS)
     deff = g.new_empty((nb - k) * BS)
     # correctness first
     mask, nf = fused_score_split(g, k, crit, deff)
     rmask, rnf, rc, rd = torch_score_split(g, k)
-    assert torch.equal(mask, rmask) and bool(nf) == bool(rnf)
-    assert torch.equal(crit, rc) and torch.equal(deff, rd)
+    # fp32 sums in another order may swap near-tied blocks at the top-k boundary: compare the
+    # scores to tolerance, and the split for the kernel's own selection exactly
+    torch.testing.assert_close(ops.block_scores(g, BS), g.view(-1, BS).float().pow(2).sum(1))
+    assert int(mask.sum()) == k and bool(nf) == bool(rnf) and (mask != rmask).sum() <= 0.01 * nb
+    v = g.view(-1, BS)
+    assert torch.equal(crit, v[mask].reshape(-1)) and torch.equal(deff, v[~mask].reshape(-1))
     t = timeit(lambda: fused_score_split(g, k, crit, deff), device, reps)
     tc = timeit(lambda: torch_score_split(g, k), device, reps)
     rows.append(("score+split", 3 * n * elt, t, tc))
@@ -131,8 +139,9 @@ def bench_one(n, dtype, device, reps):
                                            has_sparse_grad=False), device, reps)
     rows.append(("sgd-momentum correction", 5 * n * elt, t, tc))
     return [dict(op=op, n=n, dtype=str(dtype).replace("torch.", ""), device=device,
-                 ms=t * 1e3, gbps=b / t / 1e9, x_copy=(b / t) / bw_copy, x_torch=tc / t,
-                 copy_gbps=bw_copy / 1e9) for op, b, t, tc in rows]
+                 ms=t * 1e3, gbps=b / t / 1e9, x_copy=(b / t) / bw_copy, x_copy_=(b / t) / bw_copy_,
+                 x_torch=tc / t, copy_gbps=bw_copy / 1e9, copy__gbps=bw_copy_ / 1e9)
+            for op, b, t, tc in rows]
 
 
 def main(argv=None):
@@ -147,8 +156,8 @@ def main(argv=None):
     assert ops.HAS_EXTENSION, "osp._C is not built"
     results = []
     print(f"device={a.device} threads={torch.get_num_threads()} torch={torch.__version__} block_size={BS}")
-    print("| op | elements | dtype | ms | GB/s | x copy | x torch |")
-    print("|---|---|---|---|---|---|---|")
+    print("| op | elements | dtype | ms | GB/s | x clone | x copy_ | x torch |")
+    print("|---|---|---|---|---|---|---|---|")
     for dname in a.dtypes.split(","):
         dtype = getattr(torch, dname)
         sizes = a.sizes if dtype == torch.float32 else a.half_sizes
@@ -156,7 +165,7 @@ def main(argv=None):
             for r in bench_one(parse_size(s), dtype, a.device, a.reps):
                 results.append(r)
                 print(f"| {r['op']} | {s} | {r['dtype']} | {r['ms']:.2f} | {r['gbps']:.1f} | "
-                      f"{r['x_copy']:.2f} | {r['x_torch']:.1f} |", flush=True)
+                      f"{r['x_copy']:.2f} | {r['x_copy_']:.2f} | {r['x_torch']:.1f} |", flush=True)
     os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
     with open(a.json, "w") as fh:
         json.dump(results, fh, indent=1)

@@ -1,5 +1,12 @@
-"""osp: two-stage synchronization (OSP) and friends for data-parallel PyTorch training."""
+"""osp: two-stage synchronization (OSP) and friends for data-parallel PyTorch training.
+
+    import osp
+    opt = osp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), sync=osp.OSP())
+"""
 from . import ops
+from .optimizer import BSP, OSP, DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
 
 __version__ = "0.1.0"
-__all__ = ["ops", "__version__"]
+__all__ = ["ops", "BSP", "OSP", "DistributedOptimizer", "broadcast_parameters",
+           "broadcast_optimizer_state", "__version__"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 from typing import Any, Optional
 
 import torch
@@ -37,11 +38,33 @@ class Comm:
     def allreduce_avg_async_(self, tensor: torch.Tensor, name: str) -> Handle:
         raise NotImplementedError
 
-    def wait(self, handle: Handle) -> torch.Tensor:
+    def _finish(self, handle: Handle) -> torch.Tensor:
+        """Complete a handle whose work is done (or block until it is)."""
         raise NotImplementedError
 
     def poll(self, handle: Handle) -> bool:
         raise NotImplementedError
+
+    def wait(self, handle: Handle, timeout: Optional[float] = None, what: str = "allreduce") -> torch.Tensor:
+        """Wait for ``handle``; with ``timeout`` (seconds), raise ``TimeoutError`` instead of waiting
+        forever on a peer that died or stalled."""
+        if handle.done:
+            return handle.tensor
+        if timeout is not None:
+            deadline = time.monotonic() + timeout
+            pause = 2e-5
+            while not self.poll(handle):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"osp: {what} on rank {self.rank} did not complete within {timeout:g} s; a "
+                        "peer may have died or stalled (raise DistributedOptimizer(timeout=...) if "
+                        "steps are legitimately this slow)")
+                time.sleep(pause)
+                pause = min(pause * 2, 1e-3)
+        return self._finish(handle)
+
+    def broadcast_object(self, obj: Any, root: int = 0) -> Any:
+        return self.allgather_object(obj)[root]
 
     def broadcast_(self, tensor: torch.Tensor, root: int, name: str) -> None:
         raise NotImplementedError
@@ -49,8 +72,8 @@ class Comm:
     def allgather_object(self, obj: Any) -> list:
         raise NotImplementedError
 
-    def allreduce_avg_(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
-        return self.wait(self.allreduce_avg_async_(tensor, name))
+    def allreduce_avg_(self, tensor: torch.Tensor, name: str, timeout: Optional[float] = None) -> torch.Tensor:
+        return self.wait(self.allreduce_avg_async_(tensor, name), timeout, name)
 
 
 class HorovodComm(Comm):
@@ -78,7 +101,7 @@ class HorovodComm(Comm):
             return h
         return Handle(tensor, self.hvd.allreduce_async_(tensor, name=name, op=self.hvd.Average))
 
-    def wait(self, handle):
+    def _finish(self, handle):
         if not handle.done:
             self.hvd.synchronize(handle.work)
             handle.done = True
@@ -86,6 +109,9 @@ class HorovodComm(Comm):
 
     def poll(self, handle):
         return handle.done or bool(self.hvd.poll(handle.work))
+
+    def broadcast_object(self, obj, root=0):
+        return self.hvd.broadcast_object(obj, root_rank=root)
 
     def broadcast_(self, tensor, root, name):
         self.hvd.broadcast_(tensor, root, name=name)
@@ -121,7 +147,7 @@ class TorchComm(Comm):
             return h
         return Handle(tensor, self.dist.all_reduce(tensor, group=self.group, async_op=True))
 
-    def wait(self, handle):
+    def _finish(self, handle):
         if not handle.done:
             handle.work.wait()
             handle.tensor.div_(self.size)
@@ -130,6 +156,11 @@ class TorchComm(Comm):
 
     def poll(self, handle):
         return handle.done or handle.work.is_completed()
+
+    def broadcast_object(self, obj, root=0):
+        box = [obj]
+        self.dist.broadcast_object_list(box, src=root, group=self.group)
+        return box[0]
 
     def broadcast_(self, tensor, root, name):
         self.dist.broadcast(tensor, root, group=self.group)

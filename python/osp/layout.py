@@ -1,0 +1,88 @@
+"""Flat buffers: the parameters of one param group, dtype and device live in one flat buffer
+(parameters become views into it, as DDP's gradient_as_bucket_view and FSDP's flat parameters do);
+gradients and fast-path optimizer state likewise. The buffer is padded with zeros to a whole number
+of blocks, so every block is full and no kernel call needs a device sync to size its output."""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+
+
+class FlatGroup:
+    """Flat storage for ``params`` (same dtype and device, one param group)."""
+
+    def __init__(self, params: List[torch.nn.Parameter], names: List[str], group_index: int,
+                 block_size: Optional[int]):
+        """``block_size=None``: one block of exactly the parameters' size (no padding; BSP)."""
+        self.params, self.names, self.group_index = params, names, group_index
+        self.dtype, self.device = params[0].dtype, params[0].device
+        self.index = {id(p): i for i, p in enumerate(params)}
+        self.offsets, off = [], 0
+        for p in params:
+            self.offsets.append(off)
+            off += p.numel()
+        self.numel = off
+        self.block_size = block_size = block_size or max(off, 1)
+        self.nblocks = max(1, -(-off // block_size))
+        self.padded = self.nblocks * block_size
+        self.param = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
+        self.grad = torch.zeros_like(self.param)
+        with torch.no_grad():
+            for p, o in zip(params, self.offsets):
+                v = self.param[o:o + p.numel()].view_as(p)
+                v.copy_(p.detach())
+                p.data = v
+        self.grad_views = [self.grad[o:o + p.numel()].view_as(p) for p, o in zip(params, self.offsets)]
+        self.state: Dict[str, torch.Tensor] = {}  # fast-path optimizer state, flat
+        # first and last block of each parameter, to find the parameters a block set touches
+        self.block_span = [(o // block_size, (o + max(p.numel(), 1) - 1) // block_size)
+                           for p, o in zip(params, self.offsets)]
+
+    def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        p, o = self.params[i], self.offsets[i]
+        return flat[o:o + p.numel()].view_as(p)
+
+    def gather_grads(self, params=None) -> None:
+        """Make the flat gradient hold the gradients of ``params`` (default: all); a missing gradient
+        counts as zeros (as in Horovod). Afterwards each ``p.grad`` is a view into the flat gradient."""
+        for i in range(len(self.params)) if params is None else [self.index[id(p)] for p in params]:
+            p, gv = self.params[i], self.grad_views[i]
+            g = p.grad
+            if g is None:
+                gv.zero_()
+            elif g.data_ptr() != gv.data_ptr() or g.shape != gv.shape:
+                if g.layout != torch.strided:
+                    raise ValueError(
+                        f"osp: parameter {self.names[i]!r} has a sparse gradient (layout {g.layout}); "
+                        "osp averages dense gradients only (use a dense embedding, sparse=False)")
+                gv.copy_(g)
+            p.grad = gv
+
+    def zero_grad(self) -> None:
+        self.grad.zero_()
+        for p, gv in zip(self.params, self.grad_views):
+            p.grad = gv
+
+    def touched(self, block_mask: torch.Tensor) -> List[int]:
+        """Indices of the parameters that have an element in a block where ``block_mask`` is set."""
+        m = block_mask.tolist()
+        return [i for i, (b0, b1) in enumerate(self.block_span) if any(m[b0:b1 + 1])]
+
+    def adopt_state(self, opt_state, keys) -> bool:
+        """Move the optimizer's per-parameter state tensors ``keys`` into flat buffers (views), so the
+        block kernels can pack and correct them. Returns False when some parameter lacks a key."""
+        for key in keys:
+            if key not in self.state:
+                self.state[key] = torch.zeros_like(self.param)
+            flat = self.state[key]
+            for i, p in enumerate(self.params):
+                st = opt_state.get(p)
+                if not st or key not in st or st[key] is None:
+                    return False
+                t = st[key]
+                v = self.view(flat, i)
+                if t.data_ptr() != v.data_ptr():
+                    v.copy_(t)
+                    st[key] = v
+        return True

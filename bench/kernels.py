@@ -19,6 +19,7 @@ import sys
 import time
 
 import torch
+
 from osp import ops
 
 BS = 4096

@@ -2,8 +2,9 @@
 import json
 import os
 
-import launch
 import pytest
+
+import launch
 
 pytestmark = pytest.mark.multiproc
 

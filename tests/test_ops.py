@@ -4,6 +4,7 @@ from itertools import product
 
 import pytest
 import torch
+
 from osp import ops
 
 assert ops.HAS_EXTENSION, "osp._C did not build; these tests check the compiled kernels"

@@ -111,7 +111,8 @@ class HorovodComm(Comm):
         return handle.done or bool(self.hvd.poll(handle.work))
 
     def broadcast_object(self, obj, root=0):
-        return self.hvd.broadcast_object(obj, root_rank=root)
+        # Horovod names the collective after type(obj) unless told: ranks passing None would hang
+        return self.hvd.broadcast_object(obj, root_rank=root, name="osp.broadcast_object")
 
     def broadcast_(self, tensor, root, name):
         self.hvd.broadcast_(tensor, root, name=name)

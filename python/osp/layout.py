@@ -51,11 +51,11 @@ class FlatGroup:
             g = p.grad
             if g is None:
                 gv.zero_()
+            elif g.layout != torch.strided:
+                raise ValueError(
+                    f"osp: parameter {self.names[i]!r} has a sparse gradient (layout {g.layout}); "
+                    "osp averages dense gradients only (use a dense embedding, sparse=False)")
             elif g.data_ptr() != gv.data_ptr() or g.shape != gv.shape:
-                if g.layout != torch.strided:
-                    raise ValueError(
-                        f"osp: parameter {self.names[i]!r} has a sparse gradient (layout {g.layout}); "
-                        "osp averages dense gradients only (use a dense embedding, sparse=False)")
                 gv.copy_(g)
             p.grad = gv
 

@@ -613,6 +613,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for g, h in zip(self.optimizer.param_groups, saved_hyper):
                 g.update(h)
 
+    @torch.no_grad()
     def flush(self) -> None:
         """Finish all in-flight work and apply the exact updates: call on every rank before
         evaluating, checkpointing or stopping. Afterwards replicas are bitwise equal."""

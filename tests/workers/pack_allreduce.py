@@ -6,6 +6,7 @@ import json
 import sys
 
 import torch
+
 from osp import comm as C
 from osp import ops
 

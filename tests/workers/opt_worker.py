@@ -1,0 +1,330 @@
+"""Rank program for the optimizer tests: real ranks, real collectives, results as JSON per rank.
+
+Usage: opt_worker.py SCENARIO BACKEND OUTDIR
+Scenarios: invariants, badinput, mismatch, peer_dies, horovod_match.
+"""
+import copy
+import hashlib
+import json
+import os
+import sys
+import traceback
+import warnings
+
+import torch
+
+import osp
+from osp import comm as C
+
+scenario, backend, outdir = sys.argv[1], sys.argv[2], sys.argv[3]
+comm = C.init_from_env(backend, timeout_s=60)
+rank, size = comm.rank, comm.size
+torch.set_num_threads(1)
+results = {"rank": rank, "size": size, "checks": {}, "errors": {}}
+BS = 64
+STEPS = 8
+
+
+def check(name, ok, detail=""):
+    results["checks"][name] = {"ok": bool(ok), "detail": str(detail)[:2000]}
+
+
+def make_model(seed=0, extra=False):
+    torch.manual_seed(seed)
+    layers = [torch.nn.Linear(12, 40), torch.nn.Tanh(), torch.nn.Linear(40, 30), torch.nn.Tanh(),
+              torch.nn.Linear(30, 5)]
+    if extra:
+        layers.append(torch.nn.Linear(5, 5))
+    return torch.nn.Sequential(*layers)
+
+
+def batch(step, r=None, seed=0):
+    g = torch.Generator().manual_seed(1000 * seed + 100 * (rank if r is None else r) + step)
+    return torch.randn(16, 12, generator=g), torch.randint(0, 5, (16,), generator=g)
+
+
+OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
+    "sgd_momentum_wd_nesterov": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True,
+                                                           weight_decay=1e-3),
+    "sgd_dampening_maximize": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.8, dampening=0.3,
+                                                         maximize=True),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
+    "adam_amsgrad_wd": lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True, weight_decay=1e-2),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+    "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.5),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.1),
+}
+
+
+def digest(model, opt):
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().contiguous().numpy().tobytes())
+    inner = opt.optimizer if isinstance(opt, osp.DistributedOptimizer) else opt
+    for p in model.parameters():
+        for k, v in sorted(inner.state.get(p, {}).items()):
+            if torch.is_tensor(v):
+                h.update(k.encode())
+                h.update(v.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def train_step(model, opt, step, seed=0, record=None):
+    x, y = batch(step, seed=seed)
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    if record is not None:
+        record.append([p.grad.detach().clone() for p in model.parameters()])
+    opt.step()
+
+
+def flat_params(model):
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def scheduler(opt):
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.1 * s))
+
+
+def invariants():
+    for oname, make_opt in OPTIMIZERS.items():
+        # I1 and I3: replicas equal at every correction point; the trajectory equals plain averaged
+        # updates of the gradients that were actually computed
+        model = make_model()
+        opt = osp.DistributedOptimizer(make_opt(model.parameters()), model.named_parameters(),
+                                       sync=osp.OSP(critical=0.3, block_size=BS, min_critical=0.0),
+                                       backend=backend)
+        sched = scheduler(opt)
+        digests = []
+        opt._on_synced = lambda o, d=digests, m=model: d.append(comm.allgather_object(digest(m, o)))
+        grads = []
+        for step in range(STEPS):
+            train_step(model, opt, step, record=grads)
+            sched.step()
+        opt.flush()
+        check(f"I1/{oname}", len(digests) == STEPS + 1 and all(len(set(d)) == 1 for d in digests),
+              f"{sum(len(set(d)) > 1 for d in digests)} of {len(digests)} sync points differ")
+        st = opt.stats()
+        check(f"stats/{oname}", st["steps"] == STEPS and all(
+            0 < h["critical_fraction"] < 1 and h["bytes_stage2"] > 0 for h in st["history"][0:]),
+            st["mean"])
+        all_grads = comm.allgather_object(grads)
+        replay = make_model()
+        ropt = make_opt(replay.parameters())
+        rsched = scheduler(ropt)
+        for step in range(STEPS):
+            for i, p in enumerate(replay.parameters()):
+                p.grad = torch.stack([all_grads[r][step][i] for r in range(size)]).mean(0)
+            ropt.step()
+            rsched.step()
+        a, b = flat_params(model), flat_params(replay)
+        err = float((a - b).abs().max())
+        check(f"I3/{oname}", torch.allclose(a, b, rtol=1e-5, atol=1e-6), f"max abs diff {err:.3g}")
+
+        # I2: critical=1.0 is BSP, bitwise (2 ranks: sum order cannot differ)
+        m1, m2 = make_model(), make_model()
+        o1 = osp.DistributedOptimizer(make_opt(m1.parameters()), m1.named_parameters(),
+                                      sync=osp.OSP(critical=1.0, block_size=BS), backend=backend)
+        o2 = osp.DistributedOptimizer(make_opt(m2.parameters()), m2.named_parameters(),
+                                      sync=osp.BSP(bucket_mb=0.002), backend=backend)
+        for step in range(STEPS):
+            train_step(m1, o1, step)
+            train_step(m2, o2, step)
+        a, b = flat_params(m1), flat_params(m2)
+        if size == 2:
+            check(f"I2/{oname}", torch.equal(a, b), f"max abs diff {float((a - b).abs().max()):.3g}")
+        else:
+            check(f"I2/{oname}", torch.allclose(a, b, rtol=1e-5, atol=1e-6),
+                  f"max abs diff {float((a - b).abs().max()):.3g}")
+
+        # I4: flush, checkpoint, resume in fresh objects, continue: bitwise the same
+        model = make_model()
+        opt = osp.DistributedOptimizer(make_opt(model.parameters()), model.named_parameters(),
+                                       sync=osp.OSP(critical=0.3, block_size=BS), backend=backend)
+        for step in range(4):
+            train_step(model, opt, step)
+        opt.flush()
+        ck = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
+        for step in range(4, 8):
+            train_step(model, opt, step)
+        opt.flush()
+        resumed = make_model(seed=99)
+        ropt = osp.DistributedOptimizer(make_opt(resumed.parameters()), resumed.named_parameters(),
+                                        sync=osp.OSP(critical=0.3, block_size=BS), backend=backend)
+        resumed.load_state_dict(ck["model"])
+        ropt.load_state_dict(ck["opt"])
+        for step in range(4, 8):
+            train_step(resumed, ropt, step)
+        ropt.flush()
+        check(f"I4/{oname}", digest(model, opt) == digest(resumed, ropt),
+              f"max abs diff {float((flat_params(model) - flat_params(resumed)).abs().max()):.3g}")
+
+
+def expect_error(name, exc_type, pattern, fn):
+    try:
+        fn()
+    except exc_type as e:
+        import re
+        check(name, re.search(pattern, str(e)) is not None, e)
+        return
+    except Exception as e:  # wrong type
+        check(name, False, f"raised {type(e).__name__}: {e}")
+        return
+    check(name, False, "no error raised")
+
+
+def badinput():
+    # sparse gradients: a clear error on every rank
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    opt = osp.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1), emb.named_parameters(),
+                                   backend=backend)
+    emb(torch.tensor([1, 2])).sum().backward()
+    expect_error("sparse", ValueError, "sparse gradient", opt.step)
+
+    # step() twice without a backward
+    model = make_model()
+    opt = osp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                   sync=osp.OSP(critical=0.5, block_size=BS), backend=backend)
+    train_step(model, opt, 0)
+    expect_error("step_twice", RuntimeError, "without a backward", opt.step)
+    opt.flush()
+
+    for mode in ("bsp", "osp"):
+        sync = osp.BSP() if mode == "bsp" else osp.OSP(critical=0.5, block_size=BS)
+        # a gradient missing on some ranks counts as zeros on all (as in Horovod)
+        model = make_model()
+        head = torch.nn.Linear(12, 5)
+        params = list(model.parameters()) + list(head.parameters())
+        named = list(model.named_parameters()) + [("head." + n, p) for n, p in head.named_parameters()]
+        opt = osp.DistributedOptimizer(torch.optim.SGD(params, lr=1.0), named, sync=sync, backend=backend)
+        before = head.weight.detach().clone()
+        x, y = batch(0)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        if rank == 0:
+            loss = loss + head(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        g0 = head.weight.grad.detach().clone() if rank == 0 else None
+        opt.step()
+        opt.flush()
+        g0 = comm.broadcast_object(g0, 0)
+        expect = before - g0 / size
+        check(f"missing_grad/{mode}", torch.allclose(head.weight.detach(), expect, rtol=1e-6, atol=1e-7),
+              float((head.weight.detach() - expect).abs().max()))
+        check(f"missing_grad_equal/{mode}", len(set(comm.allgather_object(digest(model, opt)))) == 1)
+
+        # non-finite gradient on one rank: the step is skipped on every rank
+        model = make_model()
+        opt = osp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                       model.named_parameters(), sync=sync, backend=backend)
+        train_step(model, opt, 0)
+        opt.flush()
+        before = flat_params(model).clone()
+        x, y = batch(1)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        if rank == size - 1:
+            next(model.parameters()).grad[0, 0] = float("nan")
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            opt.step()
+        opt.flush()
+        check(f"nonfinite_skipped/{mode}", torch.equal(flat_params(model), before)
+              and opt.stats()["skipped_steps"] == 1 and any("skipped" in str(x.message) for x in w),
+              opt.stats()["skipped_steps"])
+        train_step(model, opt, 2)
+        opt.flush()
+        check(f"nonfinite_recovers/{mode}", bool(torch.isfinite(flat_params(model)).all())
+              and not torch.equal(flat_params(model), before)
+              and len(set(comm.allgather_object(digest(model, opt)))) == 1)
+
+
+def mismatch():
+    model = make_model(extra=(rank == size - 1))
+    expect_error("mismatch_count", ValueError, "ranks disagree on the parameters", lambda: osp.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), backend=backend))
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(12, 40 if rank == 0 else 41)
+    expect_error("mismatch_shape", ValueError, r"shape \[4[01], 12\]", lambda: osp.DistributedOptimizer(
+        torch.optim.SGD(lin.parameters(), lr=0.1), lin.named_parameters(), backend=backend))
+    model = make_model()
+    expect_error("mismatch_options", ValueError, "disagree on the options", lambda: osp.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+        sync=osp.OSP(critical=0.25 if rank == 0 else 0.5), backend=backend))
+    # the job goes on after the errors: a real step still works
+    model = make_model()
+    opt = osp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                   sync=osp.OSP(critical=0.5, block_size=BS), backend=backend)
+    train_step(model, opt, 0)
+    opt.flush()
+    check("after_mismatch", len(set(comm.allgather_object(digest(model, opt)))) == 1)
+
+
+def peer_dies():
+    import time
+    model = make_model()
+    opt = osp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                   sync=osp.OSP(critical=0.5, block_size=BS), backend=backend, timeout=15)
+    t0 = time.monotonic()
+    try:
+        for step in range(1000):
+            if rank == size - 1 and step == 3:
+                os._exit(0)  # dies silently; the launcher does not tear the job down
+            train_step(model, opt, step)
+        opt.flush()
+        check("peer_death_detected", False, "training went on without the peer")
+    except Exception as e:
+        check("peer_death_detected", True, f"{type(e).__name__} after {time.monotonic() - t0:.1f}s: {e}")
+        results["elapsed"] = time.monotonic() - t0
+
+
+def peer_stalls():
+    import time
+    model = make_model()
+    opt = osp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                   sync=osp.OSP(critical=0.5, block_size=BS), backend=backend, timeout=5)
+    t0 = time.monotonic()
+    try:
+        for step in range(1000):
+            if rank == size - 1 and step == 3:
+                time.sleep(12)  # alive but stuck; comes back later and leaves
+                os._exit(0)
+            train_step(model, opt, step)
+        check("peer_stall_detected", False, "training went on without the peer")
+    except TimeoutError as e:
+        results["elapsed"] = time.monotonic() - t0
+        check("peer_stall_detected", results["elapsed"] < 10, f"after {results['elapsed']:.1f}s: {e}")
+
+
+def horovod_match():
+    """BSP against horovod.torch.DistributedOptimizer: same model, data and seed."""
+    import horovod.torch as hvd
+    for oname in ("sgd_momentum_wd_nesterov", "adam"):
+        m1, m2 = make_model(), make_model()
+        o1 = osp.DistributedOptimizer(OPTIMIZERS[oname](m1.parameters()), m1.named_parameters(),
+                                      sync=osp.BSP(), backend="horovod")
+        o2 = hvd.DistributedOptimizer(OPTIMIZERS[oname](m2.parameters()), named_parameters=m2.named_parameters())
+        for step in range(STEPS):
+            train_step(m1, o1, step)
+            train_step(m2, o2, step)
+        a, b = flat_params(m1), flat_params(m2)
+        check(f"bsp_vs_horovod/{oname}", torch.allclose(a, b, rtol=1e-5, atol=1e-6),
+              f"max abs diff {float((a - b).abs().max()):.3g}")
+
+
+try:
+    {"invariants": invariants, "badinput": badinput, "mismatch": mismatch, "peer_dies": peer_dies,
+     "peer_stalls": peer_stalls, "horovod_match": horovod_match}[scenario]()
+except Exception:
+    results["errors"]["uncaught"] = traceback.format_exc()
+with open(os.path.join(outdir, f"rank{rank}.json"), "w") as fh:
+    json.dump(results, fh, indent=1)
+sys.stdout.flush()
+if scenario.startswith("peer_"):
+    os._exit(1)  # the job is broken; leave without touching it again
+if backend == "horovod":
+    import horovod.torch as hvd
+    hvd.shutdown()  # mpirun counts an exit without MPI_Finalize as a failure
+else:
+    torch.distributed.destroy_process_group()

@@ -90,6 +90,7 @@ class _Deferred:
     mask: torch.Tensor  # critical blocks of that step
     handle: Any  # the in-flight allreduce of the packed deferred gradient
     fast: bool
+    lo: int = 0  # first block of this flat group in the optimizer's score vector
     param: Optional[torch.Tensor] = None  # fast path: packed snapshot of the deferred blocks
     state: Dict[str, Optional[torch.Tensor]] = field(default_factory=dict)
     hyper: Dict[str, Any] = field(default_factory=dict)
@@ -159,6 +160,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._fresh = False  # a backward ran since the last step
         self._passes: Dict[torch.nn.Parameter, int] = {}
         self._pending: List[_Deferred] = []
+        self._scores: Optional[torch.Tensor] = None  # block scores of the last averaged gradient
         self._t_end: Optional[float] = None
         self._bw_sample = 0.0
         self._skip_sync = False
@@ -419,48 +421,55 @@ class DistributedOptimizer(torch.optim.Optimizer):
         wait_s = self._finish_deferred()
         if self._on_synced is not None:
             self._on_synced(self)
-        # block scores (and the non-finite flag and the budget's measurements) averaged in one
-        # small collective: every rank then holds the same vector and picks the same blocks
-        local = [ops.score_blocks(fg.grad, fg.block_size, self.sync.metric,
-                                  param=fg.param if self.sync.metric == "relative" else None)
-                 for fg in self.groups]
-        dev = self.groups[0].param.device
-        extra = torch.tensor([0.0, self._bw_sample, compute], device=dev)
-        extra[0] = sum(nf.float().sum() for _, nf in local).to(dev)
-        vec = torch.cat([s for s, _ in local] + [extra])
-        self.comm.allreduce_avg_(vec, "osp.scores", self.timeout)
         nbytes = sum(fg.padded * fg.param.element_size() for fg in self.groups)
-        rec = {"stage2_wait_s": wait_s}
-        flags = vec[-3:].tolist()
-        if flags[0] > 0:
-            rec.update(critical_fraction=0.0, bytes_stage1=0, bytes_stage2=0, stage1_s=0.0)
-            return self._skip(rec)
-        self.budget.update(nbytes, flags[1], flags[2])
-        k = self.budget.count(self.nblocks)
-        mask_all = select_critical(vec[:-3], k)
+        # The split comes from the block scores of the previous step's averaged gradient, which every
+        # rank holds bitwise alike (no collective; the first step is fully critical). The
+        # non-finite flag and the auto budget's measurements ride along with stage 1.
+        if self._scores is None:
+            mask_all = torch.ones(self.nblocks, dtype=torch.bool, device=self.groups[0].param.device)
+        else:
+            mask_all = select_critical(self._scores, self.budget.count(self.nblocks))
+        nonfinite = sum(ops.score_blocks(fg.grad, fg.block_size, "max")[1].sum() for fg in self.groups)
+        extra = torch.stack([nonfinite.float(), torch.tensor(self._bw_sample / 1e6),
+                             torch.tensor(compute * 1e3)]).clamp_(max=6e4)  # MB/s and ms: fp16-safe
         # stage 1: critical blocks, averaged before the update
         t1 = time.perf_counter()
         work, lo = [], 0
         for gi, fg in enumerate(self.groups):
             m = mask_all[lo:lo + fg.nblocks]
-            lo += fg.nblocks
             kc = int(m.sum())
-            crit = fg.grad.new_empty(kc * fg.block_size)
+            ncrit = kc * fg.block_size
+            crit = fg.grad.new_empty(ncrit + (3 if gi == 0 else 0))
             deferred = fg.grad.new_empty((fg.nblocks - kc) * fg.block_size)
-            ops.split_blocks(fg.grad, m, fg.block_size, crit, deferred)
-            work.append((fg, m, crit, deferred, self.comm.allreduce_avg_async_(crit, f"osp.s1.{gi}")))
+            ops.split_blocks(fg.grad, m, fg.block_size, crit[:ncrit], deferred)
+            if gi == 0:
+                crit[ncrit:] = extra.to(crit.dtype)
+            work.append((fg, m, lo, crit, ncrit, deferred,
+                         self.comm.allreduce_avg_async_(crit, f"osp.s1.{gi}")))
+            lo += fg.nblocks
         b1 = b2 = 0
-        for fg, m, crit, _, h in work:
+        for _, _, _, crit, ncrit, _, h in work:
             self.comm.wait(h, self.timeout, "stage-1 allreduce")
-            ops.merge_blocks(crit, None, m, fg.block_size, fg.grad)
-            b1 += crit.numel() * crit.element_size()
+            b1 += ncrit * crit.element_size()
         stage1 = time.perf_counter() - t1
+        flags = work[0][3][work[0][4]:].float().tolist()
+        rec = {"stage2_wait_s": wait_s, "stage1_s": stage1}
+        if flags[0] > 0:
+            rec.update(critical_fraction=0.0, bytes_stage1=b1, bytes_stage2=0)
+            return self._skip(rec)
+        self.budget.update(nbytes, flags[1] * 1e6, flags[2] * 1e-3)
+        if self._scores is None:
+            self._scores = torch.zeros(self.nblocks, dtype=torch.float32, device=mask_all.device)
+        for fg, m, lo, crit, ncrit, _, _ in work:
+            ops.merge_blocks(crit[:ncrit], None, m, fg.block_size, fg.grad)
+            self._scores[lo:lo + fg.nblocks][m] = self._score_packed(crit[:ncrit], fg, m)
         # stage 2: deferred blocks, averaged in the background; snapshot what their exact update needs
-        for gi, (fg, m, _, deferred, _) in enumerate(work):
+        for gi, (fg, m, lo, _, _, deferred, _) in enumerate(work):
             if deferred.numel() == 0:
                 continue
             b2 += deferred.numel() * deferred.element_size()
             d = self._snapshot(fg, m)
+            d.lo = lo
             d.handle = self.comm.allreduce_avg_async_(deferred, f"osp.s2.{gi}")
             self._pending.append(d)
         # LGP: the local update with the provisional gradient (averaged on critical blocks, this
@@ -471,9 +480,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 fg.adopt_state(self.optimizer.state, self._state_keys(fg))
         if stage1 > 0 and b1 >= 0.25 * nbytes:
             self._bw_sample = b1 / stage1
-        rec.update(critical_fraction=b1 / max(nbytes, 1), bytes_stage1=b1, bytes_stage2=b2,
-                   stage1_s=stage1)
+        rec.update(critical_fraction=b1 / max(nbytes, 1), bytes_stage1=b1, bytes_stage2=b2)
         return rec
+
+    def _score_packed(self, buf: torch.Tensor, fg: FlatGroup, mask: torch.Tensor) -> torch.Tensor:
+        """Scores of the blocks packed in ``buf`` (the side of ``mask`` they were split from)."""
+        w = None
+        if self.sync.metric == "relative":
+            w = torch.empty_like(buf)
+            crit = mask.any() and buf.numel() == int(mask.sum()) * fg.block_size
+            ops.split_blocks(fg.param, mask, fg.block_size, w if crit else None, None if crit else w)
+        return ops.score_blocks(buf, fg.block_size, self.sync.metric, param=w)[0]
 
     def _state_keys(self, fg: FlatGroup):
         keys = _STATE_KEYS[self.fast]
@@ -533,6 +550,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for d in self._pending:
             self.comm.wait(d.handle, self.timeout, "stage-2 allreduce")
         wait = time.perf_counter() - t0
+        for d in self._pending:
+            scores = self._scores[d.lo:d.lo + d.fg.nblocks]
+            scores[~d.mask] = self._score_packed(d.handle.tensor, d.fg, ~d.mask)
         generic = [d for d in self._pending if not d.fast]
         for d in self._pending:
             if d.fast:
@@ -632,6 +652,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         out = {"optimizer": self.optimizer.state_dict(), "osp": {"sync": repr(self.sync)}}
         if isinstance(self.sync, OSP):
             out["osp"]["budget"] = self.budget.state_dict()
+            # the next split is chosen from these: needed to resume bitwise
+            out["osp"]["scores"] = None if self._scores is None else self._scores.detach().cpu().clone()
         return out
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -643,6 +665,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.optimizer.load_state_dict(state_dict["optimizer"])
             if isinstance(self.sync, OSP) and "budget" in state_dict["osp"]:
                 self.budget.load_state_dict(state_dict["osp"]["budget"])
+                scores = state_dict["osp"].get("scores")
+                if scores is not None and scores.numel() != self.nblocks:
+                    raise ValueError(f"osp: the checkpoint's scores cover {scores.numel()} blocks, this "
+                                     f"optimizer has {self.nblocks} (another model or block_size?)")
+                self._scores = None if scores is None else scores.to(self.groups[0].param.device)
         else:
             self.optimizer.load_state_dict(state_dict)
         self._adopt_loaded_state()

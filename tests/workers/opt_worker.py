@@ -106,9 +106,11 @@ def invariants():
         check(f"I1/{oname}", len(digests) == STEPS + 1 and all(len(set(d)) == 1 for d in digests),
               f"{sum(len(set(d)) > 1 for d in digests)} of {len(digests)} sync points differ")
         st = opt.stats()
-        check(f"stats/{oname}", st["steps"] == STEPS and all(
-            0 < h["critical_fraction"] < 1 and h["bytes_stage2"] > 0 for h in st["history"][0:]),
-            st["mean"])
+        # the first step has no scores yet: fully critical; then 30% (+ rounding) critical
+        first, rest = st["history"][0], st["history"][1:]
+        check(f"stats/{oname}", st["steps"] == STEPS and first["critical_fraction"] == 1.0
+              and first["bytes_stage2"] == 0 and all(
+                  0.3 <= h["critical_fraction"] < 0.45 and h["bytes_stage2"] > 0 for h in rest), st["history"])
         all_grads = comm.allgather_object(grads)
         replay = make_model()
         ropt = make_opt(replay.parameters())
@@ -223,9 +225,10 @@ def badinput():
         before = flat_params(model).clone()
         x, y = batch(1)
         opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        if rank == size - 1:
-            next(model.parameters()).grad[0, 0] = float("nan")
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        if rank == size - 1:  # inside backward: BSP starts averaging buckets during backward
+            loss = loss * float("inf")
+        loss.backward()
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
             opt.step()
@@ -327,4 +330,8 @@ if backend == "horovod":
     import horovod.torch as hvd
     hvd.shutdown()  # mpirun counts an exit without MPI_Finalize as a failure
 else:
+    torch.distributed.barrier()  # no rank tears its connections down while a peer still talks
     torch.distributed.destroy_process_group()
+    # torch 2.13's Gloo teardown aborts at interpreter exit now and then under CPU load
+    # ("terminate called without an active exception", ~1 in 25 runs); the results are written
+    os._exit(0)

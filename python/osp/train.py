@@ -1,0 +1,223 @@
+"""The example job: a small CNN on scikit-learn's handwritten digits, data-parallel on N ranks.
+
+    horovodrun -np 2 -H localhost:2 python -m osp.train --sync osp --critical 0.25
+    torchrun --nproc-per-node 2 -m osp.train --sync osp --critical auto --backend torch
+    python -m osp.train --sync bsp                # one process, for a quick look
+
+``--sync`` picks the optimizer wrapper: ``bsp`` / ``osp`` (osp.DistributedOptimizer), ``hvd``
+(horovod.torch.DistributedOptimizer) or ``ddp`` (torch DistributedDataParallel), so the same job
+measures all of them. The digits split is fixed (30% test, stratified, random_state=0); every
+rank sees a disjoint shard of each epoch's shuffle. Rank 0 shows progress and writes ``--json``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import osp
+from osp import comm as C
+
+
+def load_digits_split(seed_split: int = 0):
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    d = load_digits()
+    x = torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    y = torch.tensor(d.target, dtype=torch.int64)
+    idx_train, idx_test = train_test_split(list(range(len(y))), test_size=0.3, random_state=seed_split,
+                                           stratify=d.target)
+    return x[idx_train], y[idx_train], x[idx_test], y[idx_test]
+
+
+class DigitsCNN(torch.nn.Module):
+    """conv(1->16) conv(16->32) pool fc(512->64*width) fc(->10): ~38K parameters at width 1."""
+
+    def __init__(self, width: int = 1):
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(1, 16, 3, padding=1)
+        self.conv2 = torch.nn.Conv2d(16, 32, 3, padding=1)
+        self.fc1 = torch.nn.Linear(32 * 4 * 4, 64 * width)
+        self.fc2 = torch.nn.Linear(64 * width, 10)
+
+    def forward(self, x):
+        x = F.relu(self.conv1(x))
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        return self.fc2(F.relu(self.fc1(x.flatten(1))))
+
+
+def detect_backend() -> str:
+    env = os.environ
+    if "HOROVOD_RANK" in env or "HOROVOD_HOSTNAME" in env:
+        return "horovod"
+    if "RANK" in env or "OMPI_COMM_WORLD_RANK" in env:
+        return "torch"
+    return "single"
+
+
+def init(backend: str):
+    if backend == "single":
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        backend = "torch"
+    return C.init_from_env(backend), backend
+
+
+class Progress:
+    """A one-line progress bar on a terminal; one line per epoch otherwise."""
+
+    def __init__(self, enabled: bool):
+        self.enabled, self.tty = enabled, sys.stderr.isatty()
+
+    def update(self, epoch, epochs, i, n, loss):
+        if self.enabled and self.tty:
+            w = 30
+            done = int(w * (i + 1) / n)
+            sys.stderr.write(f"\repoch {epoch + 1}/{epochs} [{'#' * done}{'.' * (w - done)}] "
+                             f"{i + 1}/{n} loss {loss:.4f}")
+            sys.stderr.flush()
+
+    def epoch(self, text):
+        if self.enabled:
+            if self.tty:
+                sys.stderr.write("\r" + " " * 79 + "\r")
+            print(text, flush=True)
+
+
+def make_optimizer(args, model, comm, backend):
+    if args.optimizer == "sgd":
+        inner = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=args.weight_decay)
+    else:
+        inner = torch.optim.Adam(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    if args.sync in ("bsp", "osp"):
+        if args.sync == "bsp":
+            sync = osp.BSP()
+        else:
+            crit = args.critical if args.critical == "auto" else float(args.critical)
+            sync = osp.OSP(critical=crit, min_critical=args.min_critical, block_size=args.block_size,
+                           metric=args.metric)
+        return model, osp.DistributedOptimizer(inner, model.named_parameters(), sync=sync, backend=backend)
+    if args.sync == "hvd":
+        import horovod.torch as hvd
+
+        return model, hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters())
+    if args.sync == "ddp":
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        inner = type(inner)(ddp.parameters(), **inner.defaults)
+        return ddp, inner
+    raise ValueError(f"unknown --sync {args.sync!r}")
+
+
+def evaluate(model, x, y):
+    model.eval()
+    with torch.no_grad():
+        logits = model(x)
+        loss = F.cross_entropy(logits, y).item()
+        acc = (logits.argmax(1) == y).float().mean().item()
+    model.train()
+    return loss, acc
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sync", choices=["bsp", "osp", "hvd", "ddp"], default="osp")
+    ap.add_argument("--critical", default="0.25", help="OSP critical share in [0,1] or 'auto'")
+    ap.add_argument("--min-critical", type=float, default=0.05)
+    ap.add_argument("--block-size", type=int, default=512)
+    ap.add_argument("--metric", default="l2")
+    ap.add_argument("--epochs", type=int, default=15)
+    ap.add_argument("--batch-size", type=int, default=32, help="per rank")
+    ap.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
+    ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--weight-decay", type=float, default=0.0)
+    ap.add_argument("--width", type=int, default=1, help="multiplies the hidden layer (model size)")
+    ap.add_argument("--backend", choices=["auto", "horovod", "torch"], default="auto")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--json", default=None, help="write metrics here (rank 0)")
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+    if args.critical != "auto":
+        try:
+            float(args.critical)
+        except ValueError:
+            ap.error(f"--critical must be a number in [0, 1] or 'auto', got {args.critical!r}")
+
+    torch.set_num_threads(args.threads)
+    backend = detect_backend() if args.backend == "auto" else args.backend
+    if args.sync == "hvd" and backend != "horovod":
+        ap.error("--sync hvd needs horovodrun/mpirun with the horovod backend")
+    if args.sync == "ddp" and backend == "horovod":
+        ap.error("--sync ddp needs torch.distributed (torchrun, or --backend torch)")
+    comm, backend = init(backend)
+    rank, size = comm.rank, comm.size
+
+    x_train, y_train, x_test, y_test = load_digits_split()
+    torch.manual_seed(args.seed)
+    model = DigitsCNN(args.width)
+    osp.broadcast_parameters(model.state_dict(), root_rank=0, backend=comm)
+    model, opt = make_optimizer(args, model, comm, comm if args.sync in ("bsp", "osp") else backend)
+    nparams = sum(p.numel() for p in model.parameters())
+
+    steps = len(y_train) // (args.batch_size * size)
+    progress = Progress(rank == 0 and not args.no_progress)
+    if rank == 0:
+        progress.epoch(f"osp.train: sync={args.sync} critical={args.critical} ranks={size} backend={backend} "
+                       f"params={nparams} steps/epoch={steps} seed={args.seed}")
+    history, train_time = [], 0.0
+    for epoch in range(args.epochs):
+        g = torch.Generator().manual_seed(args.seed * 1000 + epoch)
+        perm = torch.randperm(len(y_train), generator=g)[: steps * args.batch_size * size]
+        shard = perm[rank::size]
+        t0 = time.perf_counter()
+        tot = 0.0
+        for i in range(steps):
+            idx = shard[i * args.batch_size:(i + 1) * args.batch_size]
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x_train[idx]), y_train[idx])
+            loss.backward()
+            opt.step()
+            tot += loss.item()
+            progress.update(epoch, args.epochs, i, steps, loss.item())
+        if isinstance(opt, osp.DistributedOptimizer):
+            opt.flush()  # exact parameters before evaluating
+        dt = time.perf_counter() - t0
+        train_time += dt
+        test_loss, test_acc = evaluate(model, x_test, y_test)
+        rec = {"epoch": epoch + 1, "train_loss": tot / steps, "test_loss": test_loss, "test_acc": test_acc,
+               "samples_per_s": steps * args.batch_size * size / dt, "epoch_s": dt, "wall_s": train_time}
+        history.append(rec)
+        progress.epoch(f"epoch {epoch + 1:3d}  loss {rec['train_loss']:.4f}  test acc {100 * test_acc:6.2f}%  "
+                       f"{rec['samples_per_s']:8.0f} samples/s")
+    result = {"config": vars(args) | {"ranks": size, "backend": backend, "params": nparams},
+              "epochs": history, "final_test_acc": history[-1]["test_acc"] if history else None,
+              "samples_per_s": steps * args.batch_size * size * args.epochs / max(train_time, 1e-9),
+              "train_s": train_time}
+    if isinstance(opt, osp.DistributedOptimizer):
+        st = opt.stats()
+        result["osp_stats"] = {"mean": st["mean"], "skipped_steps": st["skipped_steps"]}
+    if rank == 0 and args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=1)
+    if backend == "horovod":
+        import horovod.torch as hvd
+
+        hvd.shutdown()
+    else:
+        torch.distributed.destroy_process_group()
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -7,7 +7,7 @@ CUDA_ARCHS := -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=
 CUDA_SRCS := $(wildcard csrc/cuda/*.cu)
 PYTEST_ARGS ?=
 
-.PHONY: install test test-only lint cuda-check bench-kernels demo bench clean
+.PHONY: install test test-only lint cuda-check bench-kernels bench-accuracy demo bench clean
 
 install:
 	@bash scripts/install.sh
@@ -35,6 +35,18 @@ cuda-check:
 
 bench-kernels: install
 	$(PY) bench/kernels.py
+
+# Accuracy on digits: BSP vs OSP (0.25 and auto), 3 seeds, 2 ranks under horovodrun.
+bench-accuracy: install
+	$(PY) bench/accuracy.py
+
+# Quick start: BSP then OSP on 2 ranks under horovodrun, then a side-by-side table.
+HVDRUN := $(VENV)/bin/horovodrun --gloo -np 2 -H localhost:2
+demo: install
+	@mkdir -p runs
+	$(HVDRUN) $(PY) -m osp.train --sync bsp --json runs/demo-bsp.json
+	$(HVDRUN) $(PY) -m osp.train --sync osp --critical 0.25 --json runs/demo-osp.json
+	@echo; $(PY) -m osp.report runs/demo-bsp.json runs/demo-osp.json
 
 clean:
 	rm -rf build python/osp/*.so python/*.egg-info

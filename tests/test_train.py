@@ -13,11 +13,11 @@ import launch
                                           ("torch", "ddp")])
 def test_train_job_learns_digits(backend, sync, tmp_path):
     out = tmp_path / "m.json"
-    proc = launch.run(backend, 2, ["-m", "osp.train", "--sync", sync, "--epochs", "4", "--critical", "auto",
+    proc = launch.run(backend, 2, ["-m", "osp.train", "--sync", sync, "--epochs", "6", "--critical", "auto",
                                    "--backend", backend, "--json", str(out)])
     launch.check(proc)
     res = json.loads(out.read_text())
-    assert res["config"]["ranks"] == 2 and len(res["epochs"]) == 4
+    assert res["config"]["ranks"] == 2 and len(res["epochs"]) == 6
     assert res["final_test_acc"] > 0.90, res["epochs"]
     assert res["epochs"][-1]["train_loss"] < res["epochs"][0]["train_loss"]
     if sync == "osp":

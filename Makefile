@@ -40,6 +40,12 @@ bench-kernels: install
 bench-accuracy: install
 	$(PY) bench/accuracy.py
 
+# Throughput under an emulated network bottleneck (needs root: network namespaces and tc).
+# BENCH_ARGS=--quick for a few minutes on 2 cores.
+BENCH_ARGS ?=
+bench: install
+	$(PY) bench/train_throughput.py $(BENCH_ARGS)
+
 # Quick start: BSP then OSP on 2 ranks under horovodrun, then a side-by-side table.
 HVDRUN := $(VENV)/bin/horovodrun --gloo -np 2 -H localhost:2
 demo: install

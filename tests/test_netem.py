@@ -1,0 +1,60 @@
+"""The network emulation used by the throughput benchmark: links really are shaped, everything is
+cleaned up, and missing privileges or tools give a clear error."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import launch
+
+ROOT = os.path.dirname(launch.HERE)
+sys.path.insert(0, ROOT)
+from bench.netem.netem import NetEm, parse_rate  # noqa: E402
+
+CAN_RUN = os.geteuid() == 0 and shutil.which("ip") and shutil.which("tc")
+
+
+def namespaces():
+    return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+def allreduce_seconds(rate, tmp_path, n=1_250_000):
+    out = tmp_path / f"ar-{rate}.json"
+    with NetEm(2, rate=rate, tag=f"t{os.getpid() % 1000}") as net:
+        names = list(net.ns) + [net.hub]
+        assert all(x in namespaces() for x in names)
+        codes = net.run("torch", [sys.executable, os.path.join(launch.HERE, "workers", "allreduce_time.py"),
+                                  str(n), str(out)], timeout=120, env={"PYTHONPATH": ROOT + "/python"})
+    assert not any(x in namespaces() for x in names), "namespaces left behind"
+    assert codes == [0, 0]
+    res = json.loads(out.read_text())
+    assert res["value"] == 2.0 and res["size"] == 2
+    return res["seconds"]
+
+
+@pytest.mark.multiproc
+@pytest.mark.skipif(not CAN_RUN, reason="needs root with ip and tc (network namespaces)")
+def test_shaped_link_limits_the_rate(tmp_path):
+    # 5 MB allreduce on 2 ranks: each rank sends 5 MB; at 50 Mbit/s that takes at least 0.8 s
+    shaped = allreduce_seconds("50mbit", tmp_path)
+    free = allreduce_seconds(None, tmp_path)
+    assert 0.7 < shaped < 5.0, shaped
+    assert free < shaped / 4, (free, shaped)
+
+
+def test_clear_errors(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(PermissionError, match="netem: needs root"):
+        NetEm(2).__enter__()
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setattr(shutil, "which", lambda tool: None)
+    with pytest.raises(FileNotFoundError, match="`ip` not found"):
+        NetEm(2).__enter__()
+    with pytest.raises(ValueError, match="rate must look like"):
+        parse_rate("fast")
+    assert parse_rate("1gbit") == 10**9 and parse_rate("100mbit") == 10**8
+    with pytest.raises(ValueError, match="nranks must be >= 1"):
+        NetEm(0)

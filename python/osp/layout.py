@@ -35,9 +35,19 @@ class FlatGroup:
                 p.data = v
         self.grad_views = [self.grad[o:o + p.numel()].view_as(p) for p, o in zip(params, self.offsets)]
         self.state: Dict[str, torch.Tensor] = {}  # fast-path optimizer state, flat
+        self._work: Dict[str, torch.Tensor] = {}
         # first and last block of each parameter, to find the parameters a block set touches
         self.block_span = [(o // block_size, (o + max(p.numel(), 1) - 1) // block_size)
                            for p, o in zip(params, self.offsets)]
+
+    def workspace(self, name: str, numel: int, extra: int = 0) -> torch.Tensor:
+        """A view of ``numel`` elements of a buffer kept across steps (allocated once, at the padded
+        size plus ``extra``): fresh 100 MB allocations every step cost more in page faults than the
+        kernels that fill them."""
+        buf = self._work.get(name)
+        if buf is None:
+            buf = self._work[name] = torch.empty(self.padded + extra, dtype=self.dtype, device=self.device)
+        return buf[:numel]
 
     def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         p, o = self.params[i], self.offsets[i]

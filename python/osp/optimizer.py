@@ -439,8 +439,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             m = mask_all[lo:lo + fg.nblocks]
             kc = int(m.sum())
             ncrit = kc * fg.block_size
-            crit = fg.grad.new_empty(ncrit + (3 if gi == 0 else 0))
-            deferred = fg.grad.new_empty((fg.nblocks - kc) * fg.block_size)
+            crit = fg.workspace("crit", ncrit + (3 if gi == 0 else 0), extra=3)
+            deferred = fg.workspace("deferred", (fg.nblocks - kc) * fg.block_size)
             ops.split_blocks(fg.grad, m, fg.block_size, crit[:ncrit], deferred)
             if gi == 0:
                 crit[ncrit:] = extra.to(crit.dtype)
@@ -519,12 +519,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         d = _Deferred(fg=fg, mask=mask, handle=None, fast=fast, hyper=_hyper(group))
         if fast:
             n_def = (fg.nblocks - int(mask.sum())) * fg.block_size
-            d.param = fg.param.new_empty(n_def)
+            d.param = fg.workspace("snap.param", n_def)
             ops.split_blocks(fg.param, mask, fg.block_size, None, d.param)
             have = all(self.state.get(p) for p in fg.params)
             for key in self._state_keys(fg):
                 if have and key in fg.state:
-                    buf = fg.param.new_empty(n_def)
+                    buf = fg.workspace("snap." + key, n_def)
                     ops.split_blocks(fg.state[key], mask, fg.block_size, None, buf)
                     d.state[key] = buf
                 else:
@@ -538,7 +538,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 p = fg.params[i]
                 d.param_snap[i] = p.detach().clone()
                 d.state_snap[i] = _clone_state(self.state.get(p))
-            d.grad = fg.grad.clone()
+            d.grad = fg.workspace("snap.grad", fg.padded).copy_(fg.grad)
         return d
 
     def _finish_deferred(self) -> float:

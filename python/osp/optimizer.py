@@ -50,7 +50,8 @@ class OSP:
 
     Args:
         critical: share of blocks averaged in stage 1, in [0, 1], or ``"auto"``: defer as much as the
-            measured bandwidth can hide behind the measured compute time. ``1.0`` is BSP.
+            measured bandwidth can move in the measured time stage 2 has before the next step waits
+            for it (the next forward/backward and the rest of this step). ``1.0`` is BSP.
         min_critical: floor on the critical share (the most important blocks always go first).
         metric: block importance, ``"l2"``, ``"l1"``, ``"max"`` or ``"relative"`` (|g| / |w|).
         block_size: elements per block.
@@ -161,6 +162,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._passes: Dict[torch.nn.Parameter, int] = {}
         self._pending: List[_Deferred] = []
         self._scores: Optional[torch.Tensor] = None  # block scores of the last averaged gradient
+        self._window: Optional[float] = None  # seconds the last stage 2 had before it was awaited
+        self._s2_launched = 0.0
         self._t_end: Optional[float] = None
         self._bw_sample = 0.0
         self._skip_sync = False
@@ -430,8 +433,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         else:
             mask_all = select_critical(self._scores, self.budget.count(self.nblocks))
         nonfinite = sum(ops.score_blocks(fg.grad, fg.block_size, "max")[1].sum() for fg in self.groups)
-        extra = torch.stack([nonfinite.float(), torch.tensor(self._bw_sample / 1e6),
-                             torch.tensor(compute * 1e3)]).clamp_(max=6e4)  # MB/s and ms: fp16-safe
+        # the time stage 2 had to hide in: from its launch to this step's wait for it (the compute
+        # between steps plus the rest of the previous step); before any stage 2, the compute alone
+        window = self._window if self._window is not None else compute
+        extra = torch.stack([nonfinite.float(), torch.tensor(self._bw_sample / 1e6), torch.tensor(window * 1e3),
+                             torch.tensor(wait_s * 1e3)]).clamp_(max=6e4)  # MB/s and ms: fp16-safe
         # stage 1: critical blocks, averaged before the update
         t1 = time.perf_counter()
         work, lo = [], 0
@@ -439,7 +445,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             m = mask_all[lo:lo + fg.nblocks]
             kc = int(m.sum())
             ncrit = kc * fg.block_size
-            crit = fg.workspace("crit", ncrit + (3 if gi == 0 else 0), extra=3)
+            crit = fg.workspace("crit", ncrit + (len(extra) if gi == 0 else 0), extra=len(extra))
             deferred = fg.workspace("deferred", (fg.nblocks - kc) * fg.block_size)
             ops.split_blocks(fg.grad, m, fg.block_size, crit[:ncrit], deferred)
             if gi == 0:
@@ -457,7 +463,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if flags[0] > 0:
             rec.update(critical_fraction=0.0, bytes_stage1=b1, bytes_stage2=0)
             return self._skip(rec)
-        self.budget.update(nbytes, flags[1] * 1e6, flags[2] * 1e-3)
+        self.budget.update(nbytes, flags[1] * 1e6, flags[2] * 1e-3, flags[3] * 1e-3)
         if self._scores is None:
             self._scores = torch.zeros(self.nblocks, dtype=torch.float32, device=mask_all.device)
         for fg, m, lo, crit, ncrit, _, _ in work:
@@ -472,6 +478,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             d.lo = lo
             d.handle = self.comm.allreduce_avg_async_(deferred, f"osp.s2.{gi}")
             self._pending.append(d)
+            self._s2_launched = time.perf_counter()
         # LGP: the local update with the provisional gradient (averaged on critical blocks, this
         # rank's own on deferred ones)
         self.optimizer.step()
@@ -547,6 +554,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not self._pending:
             return 0.0
         t0 = time.perf_counter()
+        self._window = t0 - self._s2_launched
         for d in self._pending:
             self.comm.wait(d.handle, self.timeout, "stage-2 allreduce")
         wait = time.perf_counter() - t0

@@ -24,9 +24,12 @@ class Budget:
     """The number of critical blocks per step.
 
     Fixed: ``ceil(critical * nblocks)``, at least ``min_critical * nblocks``. ``auto``: defer as many
-    bytes as the measured bandwidth can move during the measured compute time of a step (forward +
-    backward), never fewer critical blocks than ``min_critical``. The first ``warmup`` steps are fully
-    critical (BSP) to measure the bandwidth. Every rank must reach the same number, so the
+    bytes as the measured bandwidth can move in the measured window stage 2 has before the next step
+    waits for it (the next forward/backward plus the rest of the step; the compute time between
+    steps until a stage 2 has run), never fewer critical blocks than ``min_critical``. The first
+    ``warmup`` steps are fully critical (BSP) to measure the bandwidth. That model is then corrected by
+    feedback: while stage 2 arrives before it is awaited, the estimate of what can hide grows; when
+    the step has to wait for it, it shrinks. Every rank must reach the same number, so the
     measurements that drive it are averaged across ranks by the caller (``update`` takes them).
     """
 
@@ -35,7 +38,8 @@ class Budget:
         self.warmup, self.headroom = warmup, headroom
         self.steps = 0
         self.bw = None  # bytes / s, smoothed
-        self.compute = None  # s, smoothed
+        self.compute = None  # s, smoothed: the window stage 2 can hide in
+        self.gain = 1.0  # feedback correction of the model
         self.fraction = 1.0 if critical == "auto" else float(critical)
 
     def count(self, nblocks: int) -> int:
@@ -45,22 +49,30 @@ class Budget:
             frac = max(self.fraction, self.min_critical)
         return min(nblocks, max(math.ceil(frac * nblocks), math.ceil(self.min_critical * nblocks), 1))
 
-    def update(self, bytes_total: float, bw_sample: float, compute_s: float) -> None:
-        """Feed one step's measurements (already identical on every rank)."""
+    def update(self, bytes_total: float, bw_sample: float, window_s: float, wait_s: float = 0.0) -> None:
+        """Feed one step's measurements (already identical on every rank): a bandwidth sample, the
+        window the last stage 2 had to hide in, and how long the step waited for it."""
         self.steps += 1
         if self.critical != "auto":
             return
-        ema = lambda old, new: new if old is None else 0.7 * old + 0.3 * new
+        ema = lambda old, new: new if old is None else 0.5 * old + 0.5 * new
         if bw_sample > 0:
             self.bw = ema(self.bw, bw_sample)
-        if compute_s > 0:
-            self.compute = ema(self.compute, compute_s)
+        if window_s > 0:
+            self.compute = ema(self.compute, window_s)
+            if self.steps > self.warmup:
+                if wait_s < 0.02 * window_s:
+                    self.gain = min(self.gain * 1.15, 4.0)
+                elif wait_s > 0.1 * window_s:
+                    self.gain = max(self.gain * 0.8, 0.25)
         if self.bw and self.compute and bytes_total > 0:
-            hideable = self.headroom * self.bw * self.compute
+            hideable = self.gain * self.headroom * self.bw * self.compute
             self.fraction = min(1.0, max(self.min_critical, 1.0 - hideable / bytes_total))
 
     def state_dict(self):
-        return {"steps": self.steps, "bw": self.bw, "compute": self.compute, "fraction": self.fraction}
+        return {"steps": self.steps, "bw": self.bw, "compute": self.compute, "fraction": self.fraction,
+                "gain": self.gain}
 
     def load_state_dict(self, d):
         self.steps, self.bw, self.compute, self.fraction = d["steps"], d["bw"], d["compute"], d["fraction"]
+        self.gain = d.get("gain", 1.0)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 import warnings
+import weakref
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -175,8 +176,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.budget = Budget(sync.critical, sync.min_critical, warmup=sync.warmup)
         else:
             self._make_buckets()
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
-                       for fg in self.groups for p in fg.params]
+        # the hooks hold the optimizer weakly: a dropped optimizer must not keep reacting to backward
+        # (e.g. starting collectives) when the model is wrapped again
+        ref = weakref.WeakMethod(self._on_grad)
+
+        def hook(p, ref=ref):
+            fn = ref()
+            if fn is not None:
+                fn(p)
+
+        self._hooks = [p.register_post_accumulate_grad_hook(hook) for fg in self.groups for p in fg.params]
+
+    def __del__(self):
+        for h in getattr(self, "_hooks", ()):
+            h.remove()
 
     # -- torch.optim.Optimizer surface (so LR schedulers and hooks work) -----------------------
     @property

@@ -504,12 +504,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return rec
 
     def _score_packed(self, buf: torch.Tensor, fg: FlatGroup, mask: torch.Tensor) -> torch.Tensor:
-        """Scores of the blocks packed in ``buf`` (the side of ``mask`` they were split from)."""
+        """Scores of the blocks packed in ``buf``: the blocks where ``mask`` is set."""
         w = None
         if self.sync.metric == "relative":
             w = torch.empty_like(buf)
-            crit = mask.any() and buf.numel() == int(mask.sum()) * fg.block_size
-            ops.split_blocks(fg.param, mask, fg.block_size, w if crit else None, None if crit else w)
+            ops.split_blocks(fg.param, mask, fg.block_size, w, None)
         return ops.score_blocks(buf, fg.block_size, self.sync.metric, param=w)[0]
 
     def _state_keys(self, fg: FlatGroup):

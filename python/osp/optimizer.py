@@ -276,6 +276,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self.groups.append(FlatGroup(ps, [names[p] for p in ps], gi, bs))
         self._group_of = {p: fg for fg in self.groups for p in fg.params}
         self.nblocks = sum(fg.nblocks for fg in self.groups)
+        self.nbytes = sum(fg.padded * fg.param.element_size() for fg in self.groups)
 
     def _make_buckets(self) -> None:
         """BSP buckets: runs of consecutive parameters (in reverse order, as backward produces
@@ -401,13 +402,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "mean": {k: mean(k) for k in ("critical_fraction", "bytes_stage1", "bytes_stage2",
                                               "stage1_s", "stage2_wait_s", "compute_s", "step_s")}}
 
-    def _all_finite(self) -> bool:
-        # after averaging every rank holds the same values, so all ranks decide alike
-        for fg in self.groups:
-            _, nf = ops.score_blocks(fg.grad, fg.block_size, "max")
-            if int(nf):
-                return False
-        return True
+    def _nonfinite(self) -> torch.Tensor:
+        """How many flat gradients hold an inf or nan (a device tensor: no sync)."""
+        return sum(ops.score_blocks(fg.grad, fg.block_size, "max")[1].sum() for fg in self.groups)
 
     def _skip(self, rec):
         warnings.warn("osp: non-finite gradient on some rank; step skipped on every rank",
@@ -417,15 +414,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # -- BSP --------------------------------------------------------------------------------------
     def _bsp_step(self) -> dict:
-        nbytes = sum(fg.padded * fg.param.element_size() for fg in self.groups)
-        rec = {"critical_fraction": 1.0, "bytes_stage1": nbytes, "bytes_stage2": 0, "stage2_wait_s": 0.0}
+        rec = {"critical_fraction": 1.0, "bytes_stage1": self.nbytes, "bytes_stage2": 0, "stage2_wait_s": 0.0}
         if self._skip_sync and self._synced:
             rec["stage1_s"] = self._sync_s
         else:
             self.synchronize()
             rec["stage1_s"] = self._sync_s
         self._synced = False
-        if not self._all_finite():
+        # after averaging every rank holds the same values, so all ranks decide alike
+        if int(self._nonfinite()):
             return self._skip(rec)
         self.optimizer.step()
         return rec
@@ -437,7 +434,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         wait_s = self._finish_deferred()
         if self._on_synced is not None:
             self._on_synced(self)
-        nbytes = sum(fg.padded * fg.param.element_size() for fg in self.groups)
         # The split comes from the block scores of the previous step's averaged gradient, which every
         # rank holds bitwise alike (no collective; the first step is fully critical). The
         # non-finite flag and the auto budget's measurements ride along with stage 1.
@@ -445,7 +441,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             mask_all = torch.ones(self.nblocks, dtype=torch.bool, device=self.groups[0].param.device)
         else:
             mask_all = select_critical(self._scores, self.budget.count(self.nblocks))
-        nonfinite = sum(ops.score_blocks(fg.grad, fg.block_size, "max")[1].sum() for fg in self.groups)
+        nonfinite = self._nonfinite()
         # the time stage 2 had to hide in: from its launch to this step's wait for it (the compute
         # between steps plus the rest of the previous step); before any stage 2, the compute alone
         window = self._window if self._window is not None else compute
@@ -476,7 +472,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if flags[0] > 0:
             rec.update(critical_fraction=0.0, bytes_stage1=b1, bytes_stage2=0)
             return self._skip(rec)
-        self.budget.update(nbytes, flags[1] * 1e6, flags[2] * 1e-3, flags[3] * 1e-3)
+        self.budget.update(self.nbytes, flags[1] * 1e6, flags[2] * 1e-3, flags[3] * 1e-3)
         if self._scores is None:
             self._scores = torch.zeros(self.nblocks, dtype=torch.float32, device=mask_all.device)
         for fg, m, lo, crit, ncrit, _, _ in work:
@@ -498,9 +494,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self.fast:
             for fg in self.groups:
                 fg.adopt_state(self.optimizer.state, self._state_keys(fg))
-        if stage1 > 0 and b1 >= 0.25 * nbytes:
+        if stage1 > 0 and b1 >= 0.25 * self.nbytes:
             self._bw_sample = b1 / stage1
-        rec.update(critical_fraction=b1 / max(nbytes, 1), bytes_stage1=b1, bytes_stage2=b2)
+        rec.update(critical_fraction=b1 / max(self.nbytes, 1), bytes_stage1=b1, bytes_stage2=b2)
         return rec
 
     def _score_packed(self, buf: torch.Tensor, fg: FlatGroup, mask: torch.Tensor) -> torch.Tensor:

@@ -107,8 +107,9 @@ def worker(a):
 
         hvd.shutdown()
     else:
+        # DDP holds the process group: drop it first, so destroying the group joins Gloo's threads now
+        del net, opt
         torch.distributed.destroy_process_group()
-    os._exit(0)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -35,8 +35,9 @@ def horovodrun_cmd(np_: int, argv: Sequence[str]) -> list:
 
 
 def torchrun_cmd(np_: int, argv: Sequence[str]) -> list:
-    return [PY, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(np_),
-            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *argv]
+    # --standalone: the agent's store binds a free port itself (a port picked in advance could be
+    # taken by another process in between)
+    return [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(np_), *argv]
 
 
 def mpirun_cmd(np_: int, argv: Sequence[str]) -> list:

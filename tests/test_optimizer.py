@@ -138,8 +138,7 @@ def test_invalid_wrapper_options():
 def one_rank():
     import torch.distributed as dist
 
-    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(launch.free_port()))
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield
     dist.destroy_process_group()
 

@@ -27,8 +27,9 @@ def test_train_job_learns_digits(backend, sync, tmp_path):
 
 def test_train_single_process_and_report(tmp_path):
     out = tmp_path / "bsp.json"
-    subprocess.run([sys.executable, "-m", "osp.train", "--sync", "bsp", "--epochs", "2", "--json", str(out)],
-                   check=True, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "osp.train", "--sync", "bsp", "--epochs", "2", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    launch.check(proc)
     rep = subprocess.run([sys.executable, "-m", "osp.report", str(out)], check=True, capture_output=True,
                          text=True, timeout=60).stdout
     assert "| bsp | 1 |" in rep and "+0.00" in rep

@@ -14,6 +14,8 @@ from typing import Any, Optional
 
 import torch
 
+from . import teardown
+
 
 class Handle:
     """An in-flight allreduce-average of ``tensor``; pass it to ``Comm.wait`` / ``Comm.poll``."""
@@ -27,6 +29,9 @@ class Handle:
 class Comm:
     name = "base"
 
+    def __init__(self):
+        teardown.register()
+
     @property
     def rank(self) -> int:
         raise NotImplementedError
@@ -36,14 +41,37 @@ class Comm:
         raise NotImplementedError
 
     def allreduce_avg_async_(self, tensor: torch.Tensor, name: str) -> Handle:
+        """Start averaging ``tensor`` in place across ranks; complete it with ``wait``."""
+        h = Handle(tensor, None)
+        if tensor.numel() == 0:
+            h.done = True
+            return h
+        h.work = self._start(tensor, name)
+        teardown.started(self, h)  # completed at exit if nobody waits for it
+        return h
+
+    def _start(self, tensor: torch.Tensor, name: str) -> Any:
+        """Start the engine's allreduce of ``tensor``; returns its work object."""
+        raise NotImplementedError
+
+    def _complete(self, handle: Handle) -> None:
+        """Block until the engine's work of ``handle`` is done and the average is in its tensor."""
         raise NotImplementedError
 
     def _finish(self, handle: Handle) -> torch.Tensor:
-        """Complete a handle whose work is done (or block until it is)."""
-        raise NotImplementedError
+        if not handle.done:
+            self._complete(handle)
+            handle.done = True
+            handle.work = None  # the engine's work object may hold the process group and its threads
+            teardown.finished(handle)
+        return handle.tensor
 
     def poll(self, handle: Handle) -> bool:
         raise NotImplementedError
+
+    def active(self) -> bool:
+        """Whether the engine is still up (its work can still be waited for)."""
+        return True
 
     def wait(self, handle: Handle, timeout: Optional[float] = None, what: str = "allreduce") -> torch.Tensor:
         """Wait for ``handle``; with ``timeout`` (seconds), raise ``TimeoutError`` instead of waiting
@@ -84,6 +112,7 @@ class HorovodComm(Comm):
 
         if not hvd.is_initialized():
             raise RuntimeError("osp: backend 'horovod' needs hvd.init() first")
+        super().__init__()
         self.hvd = hvd
 
     @property
@@ -94,21 +123,18 @@ class HorovodComm(Comm):
     def size(self) -> int:
         return self.hvd.size()
 
-    def allreduce_avg_async_(self, tensor, name):
-        if tensor.numel() == 0:
-            h = Handle(tensor, None)
-            h.done = True
-            return h
-        return Handle(tensor, self.hvd.allreduce_async_(tensor, name=name, op=self.hvd.Average))
+    def _start(self, tensor, name):
+        return self.hvd.allreduce_async_(tensor, name=name, op=self.hvd.Average)
 
-    def _finish(self, handle):
-        if not handle.done:
-            self.hvd.synchronize(handle.work)
-            handle.done = True
-        return handle.tensor
+    def _complete(self, handle):
+        self.hvd.synchronize(handle.work)
 
     def poll(self, handle):
         return handle.done or bool(self.hvd.poll(handle.work))
+
+    def active(self):
+        return bool(self.hvd.is_initialized())
+
 
     def broadcast_object(self, obj, root=0):
         # Horovod names the collective after type(obj) unless told: ranks passing None would hang
@@ -131,6 +157,7 @@ class TorchComm(Comm):
 
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("osp: backend 'torch' needs torch.distributed.init_process_group() first")
+        super().__init__()
         self.dist, self.group = dist, group
 
     @property
@@ -141,22 +168,18 @@ class TorchComm(Comm):
     def size(self) -> int:
         return self.dist.get_world_size(self.group)
 
-    def allreduce_avg_async_(self, tensor, name):
-        if tensor.numel() == 0:
-            h = Handle(tensor, None)
-            h.done = True
-            return h
-        return Handle(tensor, self.dist.all_reduce(tensor, group=self.group, async_op=True))
+    def _start(self, tensor, name):
+        return self.dist.all_reduce(tensor, group=self.group, async_op=True)
 
-    def _finish(self, handle):
-        if not handle.done:
-            handle.work.wait()
-            handle.tensor.div_(self.size)
-            handle.done = True
-        return handle.tensor
+    def _complete(self, handle):
+        handle.work.wait()
+        handle.tensor.div_(self.size)
 
     def poll(self, handle):
         return handle.done or handle.work.is_completed()
+
+    def active(self):
+        return self.dist.is_initialized()
 
     def broadcast_object(self, obj, root=0):
         box = [obj]

@@ -63,13 +63,12 @@ def detect_backend() -> str:
 
 def init(backend: str):
     if backend == "single":
-        import socket
+        # one process: an in-memory store, so no port is picked in advance (another process could
+        # take it in between)
+        import torch.distributed as dist
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        backend = "torch"
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        return C.TorchComm(), "torch"
     return C.init_from_env(backend), backend
 
 

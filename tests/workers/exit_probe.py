@@ -1,0 +1,34 @@
+"""One rank that leaves a collective in flight and returns; an atexit hook registered before osp's
+(so it runs after it) reports what osp's exit hook left behind, as JSON on stdout.
+
+Usage: exit_probe.py MODE   MODE: return | raise | optout
+"""
+import atexit
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+
+def names():
+    return sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
+
+
+def probe():
+    import osp.teardown
+    print("PROBE " + json.dumps({"initialized": dist.is_initialized(), "names": names(),
+                                 "inflight": len(osp.teardown._inflight)}), flush=True)
+
+
+atexit.register(probe)
+mode = sys.argv[1]
+if mode == "optout":
+    os.environ["OSP_EXIT_HOOK"] = "0"
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+from osp import comm as C  # noqa: E402
+
+handle = C.get_comm("torch").allreduce_avg_async_(torch.ones(1 << 16), "never-waited")
+if mode == "raise":
+    raise RuntimeError("the script fails")

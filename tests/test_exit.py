@@ -59,10 +59,12 @@ def _probe(mode):
     return proc, json.loads(lines[0][len("PROBE "):])
 
 
-def test_exit_hook_completes_collectives_and_joins_gloo_threads():
+@pytest.mark.parametrize("mode", ["return", "destroyed"])
+def test_exit_hook_completes_collectives_and_joins_gloo_threads(mode):
     """What the hook does, deterministically: an un-waited collective is completed, the process group
-    destroyed, and Gloo's threads joined, before the interpreter finalizes."""
-    proc, probe = _probe("return")
+    destroyed (by the script or by the hook), and Gloo's threads joined, before the interpreter
+    finalizes."""
+    proc, probe = _probe(mode)
     assert proc.returncode == 0, proc.stderr
     assert probe["inflight"] == 0 and not probe["initialized"], probe
     engine = [n for n in probe["names"] if n.startswith(("gloo", "pt_gloo"))]

@@ -35,6 +35,7 @@ import os
 import sys
 import threading
 import time
+import types
 import warnings
 from typing import TYPE_CHECKING, Dict
 
@@ -110,17 +111,20 @@ def _destroy_process_groups(deadline: float) -> None:
         import torch.distributed as dist
     except ImportError:  # pragma: no cover
         return
-    if not (dist.is_available() and dist.is_initialized()):
+    if not dist.is_available():
         return
     errors = []
 
     def destroy():
         try:
-            dist.destroy_process_group()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            # also when the script destroyed the group itself: the group object must really go
+            _drop_stale_defaults(dist.ProcessGroup)
         except Exception as e:  # pragma: no cover - reported below
             errors.append(e)
 
-    # a helper thread bounds the wait: the destructor drains collectives the script started and never
+    # a helper thread bounds the wait: the destructors drain collectives the script started and never
     # waited for, which a peer might never match
     t = threading.Thread(target=destroy, name="osp-exit", daemon=True)
     t.start()
@@ -129,3 +133,20 @@ def _destroy_process_groups(deadline: float) -> None:
         warnings.warn("osp: at exit, destroying the torch.distributed process group "
                       + (f"failed ({errors[0]})" if errors else "did not finish in time (a collective the "
                          "script started is still waiting for a peer)"), RuntimeWarning, stacklevel=1)
+
+
+def _drop_stale_defaults(group_type) -> None:
+    """torch.distributed.nn.functional (imported by torch.optim, through dynamo) is written with
+    ``group=group.WORLD`` defaults: imported after init_process_group, its functions hold the group
+    object, so destroying the group never runs its destructor and Gloo's threads outlive the
+    interpreter. At exit every group is destroyed and nothing calls them any more: drop those
+    defaults, and with them the last references (the destructors join the threads now)."""
+    for name, mod in list(sys.modules.items()):
+        if not name.startswith("torch.distributed") or mod is None:
+            continue
+        for fn in list(vars(mod).values()):
+            if type(fn) is not types.FunctionType:  # type(), not isinstance: no deprecated __class__ lookups
+                continue
+            defaults = fn.__defaults__
+            if defaults and any(isinstance(d, group_type) for d in defaults):
+                fn.__defaults__ = tuple(None if isinstance(d, group_type) else d for d in defaults)

@@ -1,7 +1,10 @@
 """One rank that leaves a collective in flight and returns; an atexit hook registered before osp's
 (so it runs after it) reports what osp's exit hook left behind, as JSON on stdout.
 
-Usage: exit_probe.py MODE   MODE: return | raise | optout
+Usage: exit_probe.py MODE   MODE: return | destroyed | raise | optout
+(``destroyed``: the script destroys the process group itself.) A torch.optim optimizer is built after
+init_process_group, as in real scripts: that imports torch.distributed.nn, whose defaults then hold
+the group.
 """
 import atexit
 import json
@@ -29,6 +32,10 @@ if mode == "optout":
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 from osp import comm as C  # noqa: E402
 
+torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
 handle = C.get_comm("torch").allreduce_avg_async_(torch.ones(1 << 16), "never-waited")
+if mode == "destroyed":
+    C.get_comm("torch").wait(handle)
+    dist.destroy_process_group()
 if mode == "raise":
     raise RuntimeError("the script fails")

@@ -3,6 +3,7 @@
 #include <Python.h>
 #include <torch/library.h>
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 
 #ifdef WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
@@ -65,6 +66,12 @@ void check_like(const at::Tensor& other, const char* oname, const at::Tensor& re
               ref.scalar_type(), " like ", rname, ", got ", other.scalar_type());
   TORCH_CHECK(numel < 0 || other.numel() == numel, "osp: ", oname, " must have ", numel,
               " elements, got ", other.numel());
+}
+
+// An output must not share memory with an input: the kernels read and write in parallel.
+void check_no_overlap(const at::Tensor& out, const char* oname, const at::Tensor& in, const char* iname) {
+  TORCH_CHECK(at::get_overlap_status(out, in) == at::MemOverlapStatus::No, "osp: ", oname,
+              " must not overlap ", iname, " (they share memory); pass a separate buffer");
 }
 
 void check_block_size(int64_t bs) {
@@ -133,11 +140,14 @@ at::Tensor as_mask(const at::Tensor& mask, const at::Tensor& flat, int64_t bs) {
               mask.numel());
   TORCH_CHECK(mask.device() == flat.device(), "osp: mask must be on ", flat.device(), ", got ",
               mask.device());
-  return mask.scalar_type() == at::kBool ? mask.view(at::kByte) : mask;
+  // any nonzero byte selects its block: normalise to 0/1, which the offsets (prefix sums) count
+  return mask.scalar_type() == at::kBool ? mask.view(at::kByte) : mask.ne(0).view(at::kByte);
 }
 
-// Packed lengths of the selected (mask != 0) and other blocks. CPU: exact; CUDA: from the mask with
-// one sync. Used to check the outputs of split/merge.
+// Packed lengths of the selected (mask != 0) and other blocks, to check the outputs of split/merge.
+// Only on the CPU: on a CUDA device they would cost a sync every call, so there the buffers' own
+// lengths are taken as given (the caller knows them: osp's buffers hold whole blocks) and the kernels
+// never write or read past them.
 std::pair<int64_t, int64_t> side_lengths(const at::Tensor& m8, int64_t n, int64_t bs) {
   const int64_t nb = num_blocks(n, bs);
   if (nb == 0) return {0, 0};
@@ -184,6 +194,7 @@ void pack_blocks(const at::Tensor& flat, const at::Tensor& ids, int64_t bs, cons
   check_block_size(bs);
   const int64_t len = check_ids(ids, flat, bs);
   check_like(out, "out", flat, "flat", len);
+  check_no_overlap(out, "out", flat, "flat");
   if (len == 0) return;
   if (flat.is_cpu()) {
     cpu::pack_blocks(dt, flat.data_ptr(), flat.numel(), ids.data_ptr<int64_t>(), ids.numel(), bs,
@@ -204,6 +215,7 @@ void unpack_blocks(const at::Tensor& buf, const at::Tensor& ids, int64_t bs, con
   check_block_size(bs);
   const int64_t len = check_ids(ids, flat, bs);
   check_like(buf, "buf", flat, "flat", len);
+  check_no_overlap(flat, "flat", buf, "buf");
   if (len == 0) return;
   if (flat.is_cpu()) {
     cpu::unpack_blocks(dt, buf.data_ptr(), flat.numel(), ids.data_ptr<int64_t>(), ids.numel(), bs,
@@ -225,9 +237,11 @@ void split_blocks(const at::Tensor& flat, const at::Tensor& mask, int64_t bs,
   check_block_size(bs);
   const auto m8 = as_mask(mask, flat, bs);
   const int64_t n = flat.numel();
-  const auto lens = side_lengths(m8, n, bs);
-  if (crit) check_like(*crit, "critical", flat, "flat", lens.first);
-  if (def) check_like(*def, "deferred", flat, "flat", lens.second);
+  const bool cpu = flat.is_cpu();
+  const auto lens = cpu ? side_lengths(m8, n, bs) : std::make_pair<int64_t, int64_t>(-1, -1);
+  if (crit) { check_like(*crit, "critical", flat, "flat", lens.first); check_no_overlap(*crit, "critical", flat, "flat"); }
+  if (def) { check_like(*def, "deferred", flat, "flat", lens.second); check_no_overlap(*def, "deferred", flat, "flat"); }
+  if (crit && def) check_no_overlap(*crit, "critical", *def, "deferred");
   void* c = crit && crit->numel() ? crit->data_ptr() : nullptr;
   void* d = def && def->numel() ? def->data_ptr() : nullptr;
   if (n == 0) return;
@@ -238,7 +252,7 @@ void split_blocks(const at::Tensor& flat, const at::Tensor& mask, int64_t bs,
     c10::cuda::CUDAGuard guard(flat.device());
     auto pos = m8.cumsum(0, at::kLong) - m8.to(at::kLong);
     cuda::split_blocks(dt, flat.data_ptr(), n, m8.data_ptr<uint8_t>(), pos.data_ptr<int64_t>(), bs,
-                       c, lens.first, d, lens.second, stream_of(flat));
+                       c, crit ? crit->numel() : 0, d, def ? def->numel() : 0, stream_of(flat));
 #endif
   }
 }
@@ -250,9 +264,10 @@ void merge_blocks(const c10::optional<at::Tensor>& crit, const c10::optional<at:
   check_block_size(bs);
   const auto m8 = as_mask(mask, flat, bs);
   const int64_t n = flat.numel();
-  const auto lens = side_lengths(m8, n, bs);
-  if (crit) check_like(*crit, "critical", flat, "flat", lens.first);
-  if (def) check_like(*def, "deferred", flat, "flat", lens.second);
+  const bool cpu = flat.is_cpu();
+  const auto lens = cpu ? side_lengths(m8, n, bs) : std::make_pair<int64_t, int64_t>(-1, -1);
+  if (crit) { check_like(*crit, "critical", flat, "flat", lens.first); check_no_overlap(flat, "flat", *crit, "critical"); }
+  if (def) { check_like(*def, "deferred", flat, "flat", lens.second); check_no_overlap(flat, "flat", *def, "deferred"); }
   const void* c = crit && crit->numel() ? crit->data_ptr() : nullptr;
   const void* d = def && def->numel() ? def->data_ptr() : nullptr;
   if (n == 0) return;
@@ -262,7 +277,7 @@ void merge_blocks(const c10::optional<at::Tensor>& crit, const c10::optional<at:
 #ifdef WITH_CUDA
     c10::cuda::CUDAGuard guard(flat.device());
     auto pos = m8.cumsum(0, at::kLong) - m8.to(at::kLong);
-    cuda::merge_blocks(dt, c, lens.first, d, lens.second, m8.data_ptr<uint8_t>(),
+    cuda::merge_blocks(dt, c, crit ? crit->numel() : 0, d, def ? def->numel() : 0, m8.data_ptr<uint8_t>(),
                        pos.data_ptr<int64_t>(), n, bs, flat.data_ptr(), stream_of(flat));
 #endif
   }

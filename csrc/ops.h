@@ -26,7 +26,8 @@ struct AdamHyper {
   bool amsgrad, maximize, decoupled;  // decoupled: AdamW's weight decay
 };
 
-inline int64_t num_blocks(int64_t n, int64_t bs) { return n == 0 ? 0 : (n + bs - 1) / bs; }
+// (n - 1) / bs + 1 rather than (n + bs - 1) / bs: no overflow for any positive bs.
+inline int64_t num_blocks(int64_t n, int64_t bs) { return n == 0 ? 0 : (n - 1) / bs + 1; }
 
 namespace cpu {
 // scores[b] = metric over block b, accumulated in fp32; *nonfinite = 1 when any element of g is

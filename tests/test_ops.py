@@ -172,9 +172,19 @@ def test_bad_input_is_a_clear_error(device):
         ops.split_blocks(flat, torch.ones(5, dtype=torch.bool, device=device), BS)
     with pytest.raises(RuntimeError, match="mask must be bool or uint8, got Float"):
         torch.ops.osp.split_blocks(flat, torch.ones(6, device=device), BS, None, None)
-    with pytest.raises(RuntimeError, match="critical must have"):
-        torch.ops.osp.split_blocks(flat, torch.ones(6, dtype=torch.bool, device=device), BS,
-                                   flat.new_empty(3), None)
+    if device == "cpu":  # on CUDA the lengths would cost a sync per call: the kernels stay inside the buffers
+        with pytest.raises(RuntimeError, match="critical must have"):
+            torch.ops.osp.split_blocks(flat, torch.ones(6, dtype=torch.bool, device=device), BS,
+                                       flat.new_empty(3), None)
+    with pytest.raises(RuntimeError, match="out must not overlap flat"):
+        ops.pack_blocks(flat, ids, BS, out=flat[:2 * BS])
+    with pytest.raises(RuntimeError, match="flat must not overlap buf"):
+        ops.unpack_blocks(flat[BS:3 * BS], ids, BS, flat)
+    mask = torch.tensor([True, False, True, False, False, False], device=device)
+    with pytest.raises(RuntimeError, match="deferred must not overlap flat"):
+        ops.split_blocks(flat, mask, BS, flat.new_empty(2 * BS), flat[-(3 * BS + 3):])
+    with pytest.raises(RuntimeError, match="flat must not overlap critical"):
+        ops.merge_blocks(flat[BS:3 * BS], None, mask, BS, flat)
     with pytest.raises(RuntimeError, match="dense"):
         ops.block_scores(flat.to_sparse(), BS)
     with pytest.raises(RuntimeError, match="momentum_buffer, got None"):
@@ -185,6 +195,36 @@ def test_bad_input_is_a_clear_error(device):
         ops.adam_step_(flat, flat, flat.clone(), flat.clone(), None, step=1, lr=0.1, amsgrad=True)
     with pytest.raises(RuntimeError, match=r"\(>= 1\), got 0"):
         ops.adam_step_(flat, flat, flat.clone(), flat.clone(), None, step=0, lr=0.1)
+
+
+@pytest.mark.parametrize("device,dtype", grid(DEVICES, DTYPES))
+def test_uint8_mask_any_nonzero_selects(device, dtype):
+    """A uint8 mask selects every block whose byte is nonzero, whatever the value: the lengths and the
+    offsets agree, and nothing is written past the buffers (a guard region stays untouched)."""
+    n = 4 * BS - 5
+    flat = rand(n, dtype, device)
+    m8 = torch.tensor([2, 0, 1, 255], dtype=torch.uint8, device=device)
+    mb = m8 != 0
+    assert ops.mask_numels(n, m8, BS) == ops.mask_numels(n, mb, BS) == (3 * BS - 5, BS)
+    store = poison(flat.new_empty(4 * BS + 64))
+    c, d = store[:3 * BS - 5], store[3 * BS:4 * BS]
+    ops.split_blocks(flat, m8, BS, c, d)
+    rc, rd = ops.split_blocks(flat, mb, BS)
+    assert torch.equal(c, rc) and torch.equal(d, rd)
+    assert store[3 * BS - 5:3 * BS].isnan().all() and store[4 * BS:].isnan().all()
+    back = poison(flat.new_empty(n + 64))
+    ops.merge_blocks(c, d, m8, BS, back[:n])
+    assert torch.equal(back[:n], flat) and back[n:].isnan().all()
+
+
+@pytest.mark.parametrize("device", grid(DEVICES))
+def test_huge_block_size_is_one_block(device):
+    flat = rand(3 * BS + 1, torch.float32, device)
+    for bs in (2**40, 2**62, 2**63 - 1):
+        scores = ops.block_scores(flat, bs, "l1")
+        assert scores.shape == (1,)
+        torch.testing.assert_close(scores[0], flat.abs().sum())
+        assert ops.split_blocks(flat, torch.ones(1, dtype=torch.bool, device=device), bs)[0].numel() == flat.numel()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

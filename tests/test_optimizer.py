@@ -51,6 +51,25 @@ def test_invariants(backend, nranks, tmp_path):
 
 
 @pytest.mark.multiproc
+@pytest.mark.parametrize("backend,nranks", [("horovod", 2), ("torch", 2), ("torch", 3)])
+def test_invariants_across_configs(backend, nranks, tmp_path):
+    """I1-I4 for the l1, max and relative metrics (fused and generic corrections), critical='auto',
+    fp16 and bf16 parameters, and several param groups with different hyper-parameters. 'relative'
+    once made replicas diverge (deferred blocks scored on provisional weights); fp16 'auto' once
+    overflowed its measurements to inf."""
+    results, _, _ = run_scenario("configs", backend, nranks, tmp_path)
+    configs = ["metric_l1", "metric_max", "metric_relative", "metric_relative_generic", "auto", "fp16_auto",
+               "groups_sgd", "groups_adamw", "groups_rmsprop"]
+    extra = ["auto_measures/auto", "auto_measures/fp16_auto"]
+    if backend == "horovod":  # Horovod has no bfloat16 collectives: a clear error at construction
+        extra.append("bf16_refused/bf16_relative")
+    else:
+        configs.append("bf16_relative")
+    names = [f"{i}/{c}" for c in configs for i in ("I1", "I3", "I4", "deferred")] + extra
+    assert_checks(results, nranks, nchecks=len(names), expected_names=names)
+
+
+@pytest.mark.multiproc
 def test_bsp_matches_horovod_optimizer(tmp_path):
     results, _, _ = run_scenario("horovod_match", "horovod", 2, tmp_path)
     assert_checks(results, 2, nchecks=2)
@@ -60,10 +79,11 @@ def test_bsp_matches_horovod_optimizer(tmp_path):
 @pytest.mark.parametrize("backend", ["horovod", "torch"])
 def test_bad_input_on_ranks(backend, tmp_path):
     """Sparse gradients, step() without backward, a gradient missing on some ranks (zeros, as in
-    Horovod), non-finite gradients on one rank (step skipped on all, then training recovers)."""
+    Horovod), non-finite gradients on one rank (step skipped on all, then training recovers), ranks
+    that chose different critical blocks (raise on every rank)."""
     results, _, _ = run_scenario("badinput", backend, 2, tmp_path)
-    assert_checks(results, 2, nchecks=10, expected_names=["sparse", "step_twice", "nonfinite_skipped/osp",
-                                                          "missing_grad/bsp"])
+    assert_checks(results, 2, nchecks=11, expected_names=["sparse", "step_twice", "nonfinite_skipped/osp",
+                                                          "missing_grad/bsp", "mask_mismatch"])
 
 
 @pytest.mark.multiproc
@@ -104,7 +124,7 @@ def test_peer_that_stalls_times_out(tmp_path):
     (dict(critical=True), r"got True"),
     (dict(min_critical=2), r"min_critical\) must be a number in \[0, 1\], got 2"),
     (dict(metric="l3"), r"metric\) must be one of .*got 'l3'"),
-    (dict(block_size=0), r"block_size\) must be a positive integer, got 0"),
+    (dict(block_size=0), r"block_size\) must be an integer in \[1, 2\*\*30\], got 0"),
     (dict(block_size=2.5), r"got 2.5"),
     (dict(warmup=-1), r"warmup\) must be a non-negative integer, got -1"),
 ])
@@ -171,3 +191,184 @@ def test_one_rank_osp_is_the_plain_optimizer(one_rank, metric, make_opt):
     exact = isinstance(ref, torch.optim.RMSprop) or torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
     for p, q in zip(a.parameters(), b.parameters()):
         assert torch.equal(p, q) if exact else torch.allclose(p, q, rtol=1e-6, atol=1e-7)
+
+
+def tiny_model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(12, 40), torch.nn.Tanh(), torch.nn.Linear(40, 5))
+
+
+def local_steps(model, opt, n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        x, y = torch.randn(8, 12, generator=g), torch.randint(0, 5, (8,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+class OneRankComm(osp.comm.Comm):
+    """World size 1 on any device (the average of one rank is its own tensor): lets whole steps run on
+    the meta device, where no engine can move data."""
+
+    name = "one-rank"
+    rank, size = 0, 1
+
+    def _start(self, tensor, name):
+        return None
+
+    def _complete(self, handle):
+        pass
+
+    def poll(self, handle):
+        return True
+
+    def allgather_object(self, obj):
+        return [obj]
+
+
+@pytest.mark.parametrize("sync", [osp.BSP(), osp.OSP(critical=0.3, block_size=64),
+                                  osp.OSP(critical="auto", warmup=1, block_size=64)], ids=repr)
+@pytest.mark.parametrize("make_opt", [lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+                                      lambda ps: torch.optim.Adam(ps, lr=0.01)], ids=["sgd", "adam"])
+def test_whole_steps_on_meta(sync, make_opt):
+    """The step's Python path is device-generic: no CPU tensor mixed into device math, no host sync
+    that a device without values refuses (meta runs osp's fake kernels)."""
+    model = tiny_model().to("meta")
+    opt = osp.DistributedOptimizer(make_opt(model.parameters()), model.named_parameters(), sync=sync,
+                                   backend=OneRankComm())
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.empty(8, 12, device="meta")).sum().backward()
+        opt.step()
+    opt.flush()
+    assert opt.stats()["steps"] == 3 and all(p.device.type == "meta" for p in model.parameters())
+    if isinstance(sync, osp.OSP) and sync.critical != "auto":  # auto measures nothing without values
+        assert opt.stats()["history"][-1]["bytes_stage2"] > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("sync", [osp.BSP(), osp.OSP(critical=0.3, block_size=64)], ids=repr)
+def test_one_rank_steps_on_cuda_equal_the_plain_optimizer(sync):
+    a, b = tiny_model().cuda(), tiny_model().cuda()
+    opt = osp.DistributedOptimizer(torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9), a.named_parameters(),
+                                   sync=sync, backend=OneRankComm())
+    ref = torch.optim.SGD(b.parameters(), lr=0.1, momentum=0.9)
+    for o, m in ((opt, a), (ref, b)):
+        g = torch.Generator().manual_seed(1)
+        for _ in range(5):
+            x, y = torch.randn(8, 12, generator=g).cuda(), torch.randint(0, 5, (8,), generator=g).cuda()
+            o.zero_grad()
+            torch.nn.functional.cross_entropy(m(x), y).backward()
+            o.step()
+    opt.flush()
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("make_opt", [lambda ps: torch.optim.SGD(ps, lr=torch.tensor(0.1), momentum=0.9),
+                                      lambda ps: torch.optim.RMSprop(ps, lr=torch.tensor(0.01))],
+                         ids=["sgd", "rmsprop"])
+def test_tensor_lr_with_scheduler_stays_exact(one_rank, make_opt):
+    """A scheduler updates a tensor lr in place; each correction must use its own step's lr."""
+    a, b = tiny_model(), tiny_model()
+    opt = osp.DistributedOptimizer(make_opt(a.parameters()), a.named_parameters(),
+                                   sync=osp.OSP(critical=0.3, block_size=64))
+    ref = make_opt(b.parameters())
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s)) for o in (opt, ref)]
+    for o, m, sch in ((opt, a, scheds[0]), (ref, b, scheds[1])):
+        g = torch.Generator().manual_seed(1)
+        for _ in range(6):
+            x, y = torch.randn(8, 12, generator=g), torch.randint(0, 5, (8,), generator=g)
+            o.zero_grad()
+            torch.nn.functional.cross_entropy(m(x), y).backward()
+            o.step()
+            sch.step()
+    opt.flush()
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("sync", [osp.BSP(), osp.OSP(critical=0.3, block_size=64)], ids=repr)
+@pytest.mark.parametrize("make_opt", [lambda ps: torch.optim.SGD(ps, lr=0.1),
+                                      lambda ps: torch.optim.RMSprop(ps, lr=0.01)], ids=["sgd", "rmsprop"])
+def test_step_hooks_run_once_per_step(one_rank, sync, make_opt):
+    model = tiny_model()
+    inner = make_opt(model.parameters())
+    calls = []
+    inner.register_step_post_hook(lambda o, a, k: calls.append("inner-post"))
+    opt = osp.DistributedOptimizer(inner, model.named_parameters(), sync=sync)
+    opt.register_step_pre_hook(lambda o, a, k: calls.append("pre"))
+    opt.register_step_post_hook(lambda o, a, k: calls.append("post"))
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    handle = register_optimizer_step_post_hook(lambda o, a, k: calls.append("global"))
+    try:
+        local_steps(model, opt, 4)
+        opt.flush()
+    finally:
+        handle.remove()
+    assert calls == ["pre", "inner-post", "post", "global"] * 4
+
+
+def test_critical_zero_defers_everything(one_rank):
+    model = tiny_model()
+    opt = osp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                   sync=osp.OSP(critical=0.0, min_critical=0.0, block_size=64))
+    local_steps(model, opt, 4)
+    hist = opt.stats()["history"]
+    assert hist[0]["bytes_stage2"] == 0  # no scores yet: the first step is fully critical
+    assert all(h["bytes_stage1"] == 0 and h["bytes_stage2"] == opt.nbytes for h in hist[1:]), hist
+
+
+def test_wrapping_errors(one_rank):
+    frozen = tiny_model()
+    for p in frozen.parameters():
+        p.requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameter"):
+        osp.DistributedOptimizer(torch.optim.SGD(frozen.parameters(), lr=0.1), frozen.named_parameters())
+    with pytest.raises(ValueError, match=r"block_size\) must be an integer in \[1, 2\*\*30\], got 4611686018427387904"):
+        osp.OSP(block_size=2**62)
+
+
+@pytest.mark.parametrize("sync", [osp.BSP(), osp.OSP(critical=0.3, block_size=64)], ids=repr)
+def test_param_groups_changed_after_wrapping_raise(one_rank, sync):
+    model, head = tiny_model(), torch.nn.Linear(5, 3)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = osp.DistributedOptimizer(inner, model.named_parameters(), sync=sync)
+    with pytest.raises(RuntimeError, match="add_param_group\\(\\) after wrapping is not supported"):
+        opt.add_param_group({"params": head.parameters()})
+    local_steps(model, opt, 1)
+    inner.add_param_group({"params": list(head.parameters())})
+    with pytest.raises(RuntimeError, match=r"param groups changed after wrapping \(parameters per group \[4\] "
+                                           r"then, \[4, 2\] now"):
+        local_steps(model, opt, 1)
+
+
+def test_bsp_extra_backward_raises(one_rank):
+    model = tiny_model()
+    opt = osp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                   sync=osp.BSP())
+    x, y = torch.randn(8, 12), torch.randint(0, 5, (8,))
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    with pytest.raises(RuntimeError, match="computed 2 times before step\\(\\), more than backward_passes_per_step=1"):
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+    assert opt.stats()["steps"] == 0  # the optimizer must stay alive: its hooks hold it weakly
+
+
+def test_cpu_model_on_a_gpu_host_gets_gloo(monkeypatch):
+    """The torch engine follows where the model lives: a CPU model on a host with GPUs needs Gloo."""
+    import torch.distributed as dist
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(launch.free_port()))
+    osp.comm.init_from_env("torch")
+    try:
+        assert dist.get_backend() == "gloo"
+    finally:
+        dist.destroy_process_group()
+    with pytest.raises(ValueError, match="device\\) must be 'cpu' or 'cuda', got 'xpu'"):
+        osp.comm.init_from_env("torch", device="xpu")

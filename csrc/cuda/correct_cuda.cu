@@ -1,5 +1,8 @@
-// Exact SGD / Adam / AdamW steps on packed buffers for the LGP correction, elementwise, in the
-// operation order of torch.optim's single-tensor path (see csrc/cpu/correct_cpu.cpp).
+// Exact SGD / Adam / AdamW steps on packed buffers for the LGP correction, elementwise, written in
+// the operation order of torch.optim's single-tensor CPU path (csrc/cpu/correct_cpu.cpp). torch's
+// CUDA optimizers run foreach kernels whose roundings (nvcc's contracted multiply-adds among them)
+// can differ in the last bit, so on a GPU the corrected update equals torch.optim's to float
+// tolerance, not bitwise. Every rank runs this same kernel, so the replicas stay bitwise equal.
 #include <cmath>
 
 #include "common_cuda.cuh"

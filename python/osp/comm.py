@@ -73,6 +73,9 @@ class Comm:
         """Whether the engine is still up (its work can still be waited for)."""
         return True
 
+    def check_dtype(self, dtype: torch.dtype, what: str) -> None:
+        """Raise ``ValueError`` if this engine cannot average tensors of ``dtype``."""
+
     def wait(self, handle: Handle, timeout: Optional[float] = None, what: str = "allreduce") -> torch.Tensor:
         """Wait for ``handle``; with ``timeout`` (seconds), raise ``TimeoutError`` instead of waiting
         forever on a peer that died or stalled."""
@@ -135,6 +138,10 @@ class HorovodComm(Comm):
     def active(self):
         return bool(self.hvd.is_initialized())
 
+    def check_dtype(self, dtype, what):
+        if dtype == torch.bfloat16:  # Horovod 0.28 has no bfloat16 collectives, on CPUs or GPUs
+            raise ValueError(f"osp: {what} is bfloat16, which Horovod cannot allreduce; use float32 or "
+                             "float16 parameters with Horovod, or the torch.distributed backend")
 
     def broadcast_object(self, obj, root=0):
         # Horovod names the collective after type(obj) unless told: ranks passing None would hang
@@ -228,17 +235,26 @@ def get_comm(backend: str | Comm = "auto") -> Comm:
     raise ValueError(f"osp: unknown backend {backend!r}: expected 'auto', 'horovod', 'torch' or a Comm")
 
 
-def init_from_env(backend: str, timeout_s: Optional[float] = None) -> Comm:
+def init_from_env(backend: str, timeout_s: Optional[float] = None, device="cpu") -> Comm:
     """Start the engine of ``backend`` from the launcher's environment and return its Comm.
 
-    ``horovod``: ``hvd.init()`` (horovodrun or mpirun). ``torch``: Gloo (CPU) or NCCL (CUDA)
-    process group from torchrun's variables, or from Open MPI's (``OMPI_COMM_WORLD_*``) when started
-    by ``mpirun``, with ``MASTER_ADDR``/``MASTER_PORT`` from the environment.
+    ``device`` is where the model lives: ``"cpu"`` (default) or ``"cuda"``. With ``"cuda"`` each rank
+    takes the GPU of its local rank (``torch.cuda.set_device``). ``horovod``: ``hvd.init()``
+    (horovodrun or mpirun). ``torch``: a Gloo process group for CPU models, NCCL for CUDA ones, from
+    torchrun's variables, or from Open MPI's (``OMPI_COMM_WORLD_*``) when started by ``mpirun``, with
+    ``MASTER_ADDR``/``MASTER_PORT`` from the environment.
     """
+    dev = torch.device(device)
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"osp: init_from_env(device) must be 'cpu' or 'cuda', got {device!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("osp: init_from_env(device='cuda') but torch sees no CUDA device")
     if backend == "horovod":
         import horovod.torch as hvd
 
         hvd.init()
+        if dev.type == "cuda":
+            torch.cuda.set_device(hvd.local_rank())
         return HorovodComm()
     if backend == "torch":
         import torch.distributed as dist
@@ -250,7 +266,11 @@ def init_from_env(backend: str, timeout_s: Optional[float] = None) -> Comm:
             env["LOCAL_RANK"] = env.get("OMPI_COMM_WORLD_LOCAL_RANK", "0")
         env.setdefault("MASTER_ADDR", "127.0.0.1")
         env.setdefault("MASTER_PORT", "29500")
-        pg = "nccl" if torch.cuda.is_available() else "gloo"
+        # the engine follows the model, not the machine: a CPU model on a GPU host still needs Gloo
+        pg = "gloo"
+        if dev.type == "cuda":
+            torch.cuda.set_device(int(env.get("LOCAL_RANK", "0")))
+            pg = "nccl"
         kw = {}
         if timeout_s is not None:
             kw["timeout"] = datetime.timedelta(seconds=timeout_s)

@@ -1,7 +1,8 @@
 """Flat buffers: the parameters of one param group, dtype and device live in one flat buffer
 (parameters become views into it, as DDP's gradient_as_bucket_view and FSDP's flat parameters do);
 gradients and fast-path optimizer state likewise. The buffer is padded with zeros to a whole number
-of blocks, so every block is full and no kernel call needs a device sync to size its output."""
+of blocks, so every block is full: a packed buffer of k blocks holds k * block_size elements, which
+the caller knows without asking the device."""
 from __future__ import annotations
 
 from typing import Dict, List, Optional
@@ -23,7 +24,8 @@ class FlatGroup:
             self.offsets.append(off)
             off += p.numel()
         self.numel = off
-        self.block_size = block_size = block_size or max(off, 1)
+        # a block never exceeds the group (a larger one would only pad it with zeros)
+        self.block_size = block_size = min(block_size or off, off) or 1
         self.nblocks = max(1, -(-off // block_size))
         self.padded = self.nblocks * block_size
         self.param = torch.zeros(self.padded, dtype=self.dtype, device=self.device)

@@ -81,7 +81,7 @@ def mask_numels(numel: int, mask: torch.Tensor, block_size: int) -> Tuple[int, i
         raise RuntimeError(f"osp: mask must have one entry per block ({nb}), got {mask.numel()}")
     if nb == 0:
         return 0, 0
-    sel = int(mask.sum())
+    sel = int((mask != 0).sum())
     short_by = nb * block_size - numel
     last = bool(mask[nb - 1])
     return sel * block_size - (short_by if last else 0), (nb - sel) * block_size - (0 if last else short_by)
@@ -154,15 +154,13 @@ def split_blocks(
     critical: Optional[torch.Tensor] = None, deferred: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """One pass over ``flat``: blocks with ``mask`` set go to ``critical``, the others to
-    ``deferred``, each in ascending block order. Missing outputs are allocated."""
+    ``deferred``, each in ascending block order. With neither output given both are allocated (which
+    costs a device sync on CUDA, to size them); with one given, the other side is skipped (None)."""
     _check_block_size(block_size)
     _check_dense(flat, "flat")
-    if critical is None or deferred is None:
+    if critical is None and deferred is None:
         nc, nd = mask_numels(flat.numel(), mask, block_size)
-        if critical is None:
-            critical = flat.new_empty(nc)
-        if deferred is None:
-            deferred = flat.new_empty(nd)
+        critical, deferred = flat.new_empty(nc), flat.new_empty(nd)
     if _use_extension():
         torch.ops.osp.split_blocks(flat, mask, block_size, critical, deferred)
     else:

@@ -18,13 +18,15 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from . import ops
+from . import ops, sidechannel
 from .comm import Comm, get_comm
 from .layout import FlatGroup
 from .policy import Budget, select_critical
 
 _FAST_KINDS = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adam"}
 _STATE_KEYS = {"sgd": ("momentum_buffer",), "adam": ("exp_avg", "exp_avg_sq")}
+_CHECK_BLOCK = 1 << 16  # elements per block of the non-finite scan (spreads it over threads and CUDA blocks)
+_MAX_BLOCK = 1 << 30
 
 
 class BSP:
@@ -73,8 +75,8 @@ class OSP:
             raise ValueError(f"osp: OSP(min_critical) must be a number in [0, 1], got {min_critical!r}")
         if metric not in ops.METRICS:
             raise ValueError(f"osp: OSP(metric) must be one of {sorted(ops.METRICS)}, got {metric!r}")
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
-            raise ValueError(f"osp: OSP(block_size) must be a positive integer, got {block_size!r}")
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or not 0 < block_size <= _MAX_BLOCK:
+            raise ValueError(f"osp: OSP(block_size) must be an integer in [1, 2**30], got {block_size!r}")
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
             raise ValueError(f"osp: OSP(warmup) must be a non-negative integer, got {warmup!r}")
         self.critical, self.min_critical, self.metric = critical, float(min_critical), metric
@@ -103,8 +105,27 @@ class _Deferred:
     grad: Optional[torch.Tensor] = None
 
 
+def _by_value(v):
+    if torch.is_tensor(v):
+        return v.detach().clone()
+    if isinstance(v, (tuple, list)):
+        return type(v)(_by_value(x) for x in v)
+    return v
+
+
 def _hyper(group: dict) -> dict:
-    return {k: v for k, v in group.items() if k != "params"}
+    """The group's hyper-parameters by value: a tensor lr that a scheduler updates in place must not
+    change the snapshot the correction of this step uses."""
+    return {k: _by_value(v) for k, v in group.items() if k != "params"}
+
+
+def _unhooked_step(optimizer: torch.optim.Optimizer) -> None:
+    """The wrapped optimizer's own step, without the step hooks torch.optim wraps around it: the hooks
+    run once per ``DistributedOptimizer.step()``, not for each local update or correction."""
+    step = type(optimizer).step
+    if getattr(step, "hooked", False):
+        step = step.__wrapped__
+    step(optimizer)
 
 
 def _clone_state(st: Optional[dict]) -> Optional[dict]:
@@ -150,14 +171,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"osp: timeout must be a positive number of seconds, got {timeout!r}")
         self.optimizer, self.sync, self.timeout = optimizer, sync, float(timeout)
         self.backward_passes_per_step = backward_passes_per_step
-        for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
-                     "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
+        # step hooks registered on either object run once per step() (the wrapper's, with torch.optim's
+        # global ones): the wrapper shares the wrapped optimizer's dicts and steps it without hooks
+        self._optimizer_step_pre_hooks = optimizer._optimizer_step_pre_hooks
+        self._optimizer_step_post_hooks = optimizer._optimizer_step_post_hooks
+        for name in ("_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
                      "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks"):
             setattr(self, name, OrderedDict())
+        self._patch_step_function()
         self.comm: Comm = get_comm(backend)
         names = self._names(named_parameters)
         self._check_same_everywhere(names)
         self._build_groups(names)
+        self._group_shape = self._param_group_shape()
         self.fast = _FAST_KINDS.get(type(optimizer))
         self._fresh = False  # a backward ran since the last step
         self._passes: Dict[torch.nn.Parameter, int] = {}
@@ -174,6 +200,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._totals = {"steps": 0, "skipped_steps": 0}
         if isinstance(sync, OSP):
             self.budget = Budget(sync.critical, sync.min_critical, warmup=sync.warmup)
+            dev = self.groups[0].param.device
+            self._side = torch.zeros(len(sidechannel.FIELDS), dtype=torch.float32, device=dev)
+            self._side_own = torch.zeros_like(self._side)
+            self._mask = torch.ones(self.nblocks, dtype=torch.bool, device=dev)
+            self._checksum = sidechannel.MaskChecksum(self.nblocks, dev)
         else:
             self._make_buckets()
         # the hooks hold the optimizer weakly: a dropped optimizer must not keep reacting to backward
@@ -191,7 +222,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for h in getattr(self, "_hooks", ()):
             h.remove()
 
-    # -- torch.optim.Optimizer surface (so LR schedulers and hooks work) -----------------------
+    # -- torch.optim.Optimizer surface (LR schedulers, step hooks) ----------------------------
     @property
     def param_groups(self):
         return self.optimizer.param_groups
@@ -209,6 +240,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def __getstate__(self):
         raise TypeError("osp: a DistributedOptimizer cannot be pickled; save state_dict() instead")
+
+    def add_param_group(self, param_group: dict) -> None:
+        raise RuntimeError("osp: add_param_group() after wrapping is not supported: osp moves each param "
+                           "group's parameters into flat buffers at construction. Add every group to the "
+                           "optimizer before wrapping it")
+
+    def _param_group_shape(self):
+        return tuple(len(g["params"]) for g in self.optimizer.param_groups)
+
+    def _check_param_groups(self) -> None:
+        # params added to the wrapped optimizer after wrapping would have no flat buffer and no hook
+        # and be stepped with this rank's own gradient: the replicas would diverge
+        if self._param_group_shape() != self._group_shape:
+            raise RuntimeError(
+                f"osp: the wrapped optimizer's param groups changed after wrapping (parameters per group "
+                f"{list(self._group_shape)} then, {list(self._param_group_shape())} now, e.g. by "
+                "add_param_group()); build the optimizer with all its parameters before wrapping it")
 
     # -- construction -------------------------------------------------------------------------
     def _names(self, named_parameters) -> Dict[torch.nn.Parameter, str]:
@@ -271,9 +319,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 if p.dtype not in ops.DTYPES:
                     raise ValueError(f"osp: parameter {names[p]!r} is {p.dtype}; osp handles "
                                      "float32, float16 and bfloat16 parameters")
+                self.comm.check_dtype(p.dtype, f"parameter {names[p]!r}")
                 by_dtype.setdefault(p.dtype, []).append(p)
             for ps in by_dtype.values():
                 self.groups.append(FlatGroup(ps, [names[p] for p in ps], gi, bs))
+        if not self.groups:
+            raise ValueError("osp: the optimizer has no trainable parameter (every parameter has "
+                             "requires_grad=False); there is nothing to synchronize")
         self._group_of = {p: fg for fg in self.groups for p in fg.params}
         self.nblocks = sum(fg.nblocks for fg in self.groups)
         self.nbytes = sum(fg.padded * fg.param.element_size() for fg in self.groups)
@@ -310,6 +362,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return
         n = self._passes.get(p, 0) + 1
         self._passes[p] = n
+        if n > self.backward_passes_per_step:
+            # its bucket's allreduce may already be in flight: adding into it would differ per rank
+            raise RuntimeError(
+                f"osp: gradients were computed {n} times before step(), more than backward_passes_per_step="
+                f"{self.backward_passes_per_step}; raise backward_passes_per_step to accumulate gradients "
+                "locally, or call step() after each backward")
         if n == self.backward_passes_per_step:
             b = self._bucket_of[p]
             self._ready[b] += 1
@@ -369,6 +427,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """One synchronized step (see the class docstring). ``closure`` is not supported."""
         if closure is not None:
             raise ValueError("osp: step(closure) is not supported; call loss.backward() then step()")
+        self._check_param_groups()
         t0 = time.perf_counter()
         compute = (t0 - self._t_end) if self._t_end is not None else 0.0
         if isinstance(self.sync, BSP):
@@ -404,7 +463,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _nonfinite(self) -> torch.Tensor:
         """How many flat gradients hold an inf or nan (a device tensor: no sync)."""
-        return sum(ops.score_blocks(fg.grad, fg.block_size, "max")[1].sum() for fg in self.groups)
+        return sum(ops.score_blocks(fg.grad, _CHECK_BLOCK, "max")[1].sum() for fg in self.groups)
 
     def _skip(self, rec):
         warnings.warn("osp: non-finite gradient on some rank; step skipped on every rank",
@@ -422,75 +481,82 @@ class DistributedOptimizer(torch.optim.Optimizer):
             rec["stage1_s"] = self._sync_s
         self._synced = False
         # after averaging every rank holds the same values, so all ranks decide alike
-        if int(self._nonfinite()):
+        if sidechannel.read(self._nonfinite().reshape(1))[0]:
             return self._skip(rec)
-        self.optimizer.step()
+        _unhooked_step(self.optimizer)
         return rec
 
     # -- OSP --------------------------------------------------------------------------------------
+    def _select(self) -> List[int]:
+        """Fill ``self._mask`` with this step's critical blocks and return how many each flat group
+        has. The split comes from the block scores of the previous step's averaged gradient, which
+        every rank holds bitwise alike (no collective; the first step is fully critical). Each flat
+        group gets its own quota, so the counts are known on the host without a device sync."""
+        if self._scores is None:
+            self._mask.fill_(True)
+            return [fg.nblocks for fg in self.groups]
+        counts, lo = [], 0
+        for fg in self.groups:
+            k = self.budget.count(fg.nblocks)
+            self._mask[lo:lo + fg.nblocks] = select_critical(self._scores[lo:lo + fg.nblocks], k)
+            counts.append(k)
+            lo += fg.nblocks
+        return counts
+
     def _osp_step(self, compute: float) -> dict:
         for fg in self.groups:
             fg.gather_grads()
         wait_s = self._finish_deferred()
         if self._on_synced is not None:
             self._on_synced(self)
-        # The split comes from the block scores of the previous step's averaged gradient, which every
-        # rank holds bitwise alike (no collective; the first step is fully critical). The
-        # non-finite flag and the auto budget's measurements ride along with stage 1.
-        if self._scores is None:
-            mask_all = torch.ones(self.nblocks, dtype=torch.bool, device=self.groups[0].param.device)
-        else:
-            mask_all = select_critical(self._scores, self.budget.count(self.nblocks))
-        nonfinite = self._nonfinite()
+        counts = self._select()
         # the time stage 2 had to hide in: from its launch to this step's wait for it (the compute
         # between steps plus the rest of the previous step); before any stage 2, the compute alone
         window = self._window if self._window is not None else compute
-        extra = torch.stack([nonfinite.float(), torch.tensor(self._bw_sample / 1e6), torch.tensor(window * 1e3),
-                             torch.tensor(wait_s * 1e3)]).clamp_(max=6e4)  # MB/s and ms: fp16-safe
-        # stage 1: critical blocks, averaged before the update
+        sidechannel.encode(self._side, self._nonfinite(), self._bw_sample, window, wait_s,
+                           self._checksum(self._mask))
+        self._side_own.copy_(self._side)
+        # stage 1: the side channel and the critical blocks, averaged before the update
         t1 = time.perf_counter()
+        side_h = self.comm.allreduce_avg_async_(self._side, "osp.side")
         work, lo = [], 0
-        for gi, fg in enumerate(self.groups):
-            m = mask_all[lo:lo + fg.nblocks]
-            kc = int(m.sum())
-            ncrit = kc * fg.block_size
-            crit = fg.workspace("crit", ncrit + (len(extra) if gi == 0 else 0), extra=len(extra))
+        for gi, (fg, kc) in enumerate(zip(self.groups, counts)):
+            m = self._mask[lo:lo + fg.nblocks]
+            crit = fg.workspace("crit", kc * fg.block_size)
             deferred = fg.workspace("deferred", (fg.nblocks - kc) * fg.block_size)
-            ops.split_blocks(fg.grad, m, fg.block_size, crit[:ncrit], deferred)
-            if gi == 0:
-                crit[ncrit:] = extra.to(crit.dtype)
-            work.append((fg, m, lo, crit, ncrit, deferred,
-                         self.comm.allreduce_avg_async_(crit, f"osp.s1.{gi}")))
+            ops.split_blocks(fg.grad, m, fg.block_size, crit, deferred)
+            work.append((fg, m, kc, lo, crit, deferred, self.comm.allreduce_avg_async_(crit, f"osp.s1.{gi}")))
             lo += fg.nblocks
         b1 = b2 = 0
-        for _, _, _, crit, ncrit, _, h in work:
+        for _, _, _, _, crit, _, h in work:
             self.comm.wait(h, self.timeout, "stage-1 allreduce")
-            b1 += ncrit * crit.element_size()
+            b1 += crit.numel() * crit.element_size()
+        self.comm.wait(side_h, self.timeout, "stage-1 allreduce")
         stage1 = time.perf_counter() - t1
-        flags = work[0][3][work[0][4]:].float().tolist()
+        side = sidechannel.decode(self._side, self._side_own, self.comm.size, self._totals["steps"] + 1)
         rec = {"stage2_wait_s": wait_s, "stage1_s": stage1}
-        if flags[0] > 0:
+        if side.nonfinite:
             rec.update(critical_fraction=0.0, bytes_stage1=b1, bytes_stage2=0)
             return self._skip(rec)
-        self.budget.update(self.nbytes, flags[1] * 1e6, flags[2] * 1e-3, flags[3] * 1e-3)
+        self.budget.update(self.nbytes, side.bandwidth, side.window, side.wait)
         if self._scores is None:
-            self._scores = torch.zeros(self.nblocks, dtype=torch.float32, device=mask_all.device)
-        for fg, m, lo, crit, ncrit, _, _ in work:
-            ops.merge_blocks(crit[:ncrit], None, m, fg.block_size, fg.grad)
-            self._scores[lo:lo + fg.nblocks][m] = self._score_packed(crit[:ncrit], fg, m)
+            self._scores = torch.zeros(self.nblocks, dtype=torch.float32, device=self._mask.device)
+        for fg, m, _, lo, crit, _, _ in work:
+            ops.merge_blocks(crit, None, m, fg.block_size, fg.grad)
+            self._set_scores(crit, fg, m, lo)
         # stage 2: deferred blocks, averaged in the background; snapshot what their exact update needs
-        for gi, (fg, m, lo, _, _, deferred, _) in enumerate(work):
+        for gi, (fg, m, kc, lo, _, deferred, _) in enumerate(work):
             if deferred.numel() == 0:
                 continue
             b2 += deferred.numel() * deferred.element_size()
-            d = self._snapshot(fg, m)
+            d = self._snapshot(fg, m, kc)
             d.lo = lo
             d.handle = self.comm.allreduce_avg_async_(deferred, f"osp.s2.{gi}")
             self._pending.append(d)
             self._s2_launched = time.perf_counter()
         # LGP: the local update with the provisional gradient (averaged on critical blocks, this
         # rank's own on deferred ones)
-        self.optimizer.step()
+        _unhooked_step(self.optimizer)
         if self.fast:
             for fg in self.groups:
                 fg.adopt_state(self.optimizer.state, self._state_keys(fg))
@@ -499,13 +565,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         rec.update(critical_fraction=b1 / max(self.nbytes, 1), bytes_stage1=b1, bytes_stage2=b2)
         return rec
 
-    def _score_packed(self, buf: torch.Tensor, fg: FlatGroup, mask: torch.Tensor) -> torch.Tensor:
-        """Scores of the blocks packed in ``buf``: the blocks where ``mask`` is set."""
+    def _set_scores(self, buf: torch.Tensor, fg: FlatGroup, mask: torch.Tensor, lo: int) -> None:
+        """Score the blocks packed in ``buf`` (those where ``mask`` is set) and store them in their
+        places of the score vector (a merge with one-element blocks: no device sync). With
+        ``relative``, |w| is read from the parameters as they are now, which must be bitwise equal on
+        every rank: call only where the replicas are."""
         w = None
         if self.sync.metric == "relative":
             w = torch.empty_like(buf)
             ops.split_blocks(fg.param, mask, fg.block_size, w, None)
-        return ops.score_blocks(buf, fg.block_size, self.sync.metric, param=w)[0]
+        scores = ops.score_blocks(buf, fg.block_size, self.sync.metric, param=w)[0]
+        ops.merge_blocks(scores, None, mask, 1, self._scores[lo:lo + fg.nblocks])
 
     def _state_keys(self, fg: FlatGroup):
         keys = _STATE_KEYS[self.fast]
@@ -528,12 +598,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 return False
         return True
 
-    def _snapshot(self, fg: FlatGroup, mask: torch.Tensor) -> _Deferred:
+    def _snapshot(self, fg: FlatGroup, mask: torch.Tensor, ncrit: int) -> _Deferred:
         group = self.optimizer.param_groups[fg.group_index]
         fast = self._fast_ok(fg)
         d = _Deferred(fg=fg, mask=mask, handle=None, fast=fast, hyper=_hyper(group))
         if fast:
-            n_def = (fg.nblocks - int(mask.sum())) * fg.block_size
+            n_def = (fg.nblocks - ncrit) * fg.block_size
             d.param = fg.workspace("snap.param", n_def)
             ops.split_blocks(fg.param, mask, fg.block_size, None, d.param)
             have = all(self.state.get(p) for p in fg.params)
@@ -566,15 +636,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for d in self._pending:
             self.comm.wait(d.handle, self.timeout, "stage-2 allreduce")
         wait = time.perf_counter() - t0
-        for d in self._pending:
-            scores = self._scores[d.lo:d.lo + d.fg.nblocks]
-            scores[~d.mask] = self._score_packed(d.handle.tensor, d.fg, ~d.mask)
         generic = [d for d in self._pending if not d.fast]
         for d in self._pending:
             if d.fast:
                 self._correct_fast(d)
         if generic:
             self._correct_generic(generic)
+        # scored after the corrections: with "relative", |w| must be the exact (shared) parameters,
+        # not this rank's provisional ones, or ranks would pick different blocks next step
+        for d in self._pending:
+            self._set_scores(d.handle.tensor, d.fg, ~d.mask, d.lo)
         self._pending = []
         return wait
 
@@ -642,7 +713,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                             else:
                                 st[k] = v
                     p.grad = fg.view(d.grad, i)
-            self.optimizer.step()
+            _unhooked_step(self.optimizer)
         finally:
             for p, g in zip(all_params, saved_grads):
                 p.grad = g

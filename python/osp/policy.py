@@ -47,7 +47,7 @@ class Budget:
             frac = 1.0
         else:
             frac = max(self.fraction, self.min_critical)
-        return min(nblocks, max(math.ceil(frac * nblocks), math.ceil(self.min_critical * nblocks), 1))
+        return min(nblocks, max(math.ceil(frac * nblocks), math.ceil(self.min_critical * nblocks)))
 
     def update(self, bytes_total: float, bw_sample: float, window_s: float, wait_s: float = 0.0) -> None:
         """Feed one step's measurements (already identical on every rank): a bandwidth sample, the

@@ -61,15 +61,16 @@ def detect_backend() -> str:
     return "single"
 
 
-def init(backend: str):
+def init(backend: str, device: str = "cpu"):
     if backend == "single":
         # one process: an in-memory store, so no port is picked in advance (another process could
         # take it in between)
         import torch.distributed as dist
 
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1)
         return C.TorchComm(), "torch"
-    return C.init_from_env(backend), backend
+    return C.init_from_env(backend, device=device), backend
 
 
 class Progress:
@@ -141,6 +142,8 @@ def main(argv=None):
     ap.add_argument("--weight-decay", type=float, default=0.0)
     ap.add_argument("--width", type=int, default=1, help="multiplies the hidden layer (model size)")
     ap.add_argument("--backend", choices=["auto", "horovod", "torch"], default="auto")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="where the model lives (cuda: the GPU of each rank's local rank; NCCL with torch)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--json", default=None, help="write metrics here (rank 0)")
@@ -158,12 +161,13 @@ def main(argv=None):
         ap.error("--sync hvd needs horovodrun/mpirun with the horovod backend")
     if args.sync == "ddp" and backend == "horovod":
         ap.error("--sync ddp needs torch.distributed (torchrun, or --backend torch)")
-    comm, backend = init(backend)
+    comm, backend = init(backend, args.device)
     rank, size = comm.rank, comm.size
 
-    x_train, y_train, x_test, y_test = load_digits_split()
+    dev = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    x_train, y_train, x_test, y_test = (t.to(dev) for t in load_digits_split())
     torch.manual_seed(args.seed)
-    model = DigitsCNN(args.width)
+    model = DigitsCNN(args.width).to(dev)
     osp.broadcast_parameters(model.state_dict(), root_rank=0, backend=comm)
     model, opt = make_optimizer(args, model, comm, comm if args.sync in ("bsp", "osp") else backend)
     nparams = sum(p.numel() for p in model.parameters())

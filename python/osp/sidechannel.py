@@ -1,0 +1,79 @@
+"""The side channel: a few fp32 numbers every OSP step averages across ranks next to stage 1.
+
+Fields: how many flat gradients hold an inf or nan on some rank (the step is then skipped on every
+rank), the ``auto`` budget's measurements (bandwidth in MB/s, the window stage 2 had and the wait
+for it, in ms), and two checksums of the critical-block mask each rank chose. The buffer is its own
+fp32 tensor on the parameters' device, whatever their dtype: measurements summed across ranks in
+fp16 would overflow. Encoding launches only small fills and copies on the device (no host sync);
+decoding reads the averaged buffer once (the step's one sync) and raises if the ranks chose
+different blocks, which would otherwise corrupt training silently (e.g. GPUs of different
+generations contracting FMAs differently when scoring).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Sequence
+
+import torch
+
+FIELDS = ("nonfinite", "bandwidth_mbps", "window_ms", "wait_ms", "mask_sum1", "mask_sum2")
+# Checksums are weighted sums of the mask modulo small primes: integers below 2^11, so their sum over
+# up to 2^13 ranks is exact in fp32 and the average times the world size recovers it exactly.
+_PRIMES = (2039, 2029)
+
+
+@dataclass
+class Side:
+    """The decoded, rank-averaged side channel (identical on every rank)."""
+    nonfinite: bool
+    bandwidth: float  # bytes/s
+    window: float  # s
+    wait: float  # s
+
+
+class MaskChecksum:
+    """Two checksums of a block mask, computed on its device without a sync."""
+
+    def __init__(self, nblocks: int, device: torch.device):
+        g = torch.Generator().manual_seed(0x05F)
+        self.weights = [torch.randint(1, p, (nblocks,), generator=g, dtype=torch.int64).to(device)
+                        for p in _PRIMES]
+
+    def __call__(self, mask: torch.Tensor) -> List[torch.Tensor]:
+        m = mask.to(torch.int64)
+        return [torch.remainder((m * w).sum(), p) for w, p in zip(self.weights, _PRIMES)]
+
+
+def encode(out: torch.Tensor, nonfinite: torch.Tensor, bandwidth: float, window: float, wait: float,
+           checksums: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Fill ``out`` (fp32, ``len(FIELDS)``, on the parameters' device) for this rank."""
+    out[0].copy_(nonfinite.reshape(()))
+    out[1].fill_(bandwidth / 1e6)
+    out[2].fill_(window * 1e3)
+    out[3].fill_(wait * 1e3)
+    out[4].copy_(checksums[0])
+    out[5].copy_(checksums[1])
+    return out
+
+
+def read(t: torch.Tensor) -> List[float]:
+    """The host values of a small device tensor (the one sync). Meta tensors carry no values (a
+    shape-only run, e.g. to check a model's plumbing): they read as zeros."""
+    if t.device.type == "meta":
+        return [0.0] * t.numel()
+    return t.tolist()
+
+
+def decode(avg: torch.Tensor, own: torch.Tensor, size: int, step: int) -> Side:
+    """Decode the rank-averaged buffer ``avg``; ``own`` is this rank's buffer before averaging (a copy).
+
+    Raises ``RuntimeError`` on every rank when the ranks chose different critical blocks."""
+    a, o = read(avg), read(own)
+    for i in (4, 5):
+        if round(a[i] * size) != round(o[i]) * size:
+            raise RuntimeError(
+                f"osp: ranks chose different critical blocks at step {step} (mask checksum {o[i]:.0f} on this "
+                f"rank, {a[i]:.3f} averaged over {size} ranks); continuing would make the replicas diverge. "
+                "The block scores must be bitwise equal on every rank: check that all ranks run the same "
+                "osp, torch and hardware kind")
+    return Side(nonfinite=a[0] > 0, bandwidth=a[1] * 1e6, window=a[2] * 1e-3, wait=a[3] * 1e-3)

@@ -18,12 +18,13 @@ from . import teardown
 
 
 class Handle:
-    """An in-flight allreduce-average of ``tensor``; pass it to ``Comm.wait`` / ``Comm.poll``."""
+    """An in-flight allreduce of ``tensor`` (an average, or a sum); pass it to ``Comm.wait`` /
+    ``Comm.poll``."""
 
-    __slots__ = ("tensor", "work", "done")
+    __slots__ = ("tensor", "work", "done", "average")
 
-    def __init__(self, tensor: torch.Tensor, work: Any):
-        self.tensor, self.work, self.done = tensor, work, False
+    def __init__(self, tensor: torch.Tensor, work: Any, average: bool = True):
+        self.tensor, self.work, self.done, self.average = tensor, work, False, average
 
 
 class Comm:
@@ -42,16 +43,24 @@ class Comm:
 
     def allreduce_avg_async_(self, tensor: torch.Tensor, name: str) -> Handle:
         """Start averaging ``tensor`` in place across ranks; complete it with ``wait``."""
-        h = Handle(tensor, None)
+        return self._allreduce_async_(tensor, name, True)
+
+    def allreduce_sum_async_(self, tensor: torch.Tensor, name: str) -> Handle:
+        """Start summing ``tensor`` in place across ranks. A sum is never fused by Horovod with the
+        averages (their scale factors differ), so it cannot move their reduction boundaries."""
+        return self._allreduce_async_(tensor, name, False)
+
+    def _allreduce_async_(self, tensor: torch.Tensor, name: str, average: bool) -> Handle:
+        h = Handle(tensor, None, average)
         if tensor.numel() == 0:
             h.done = True
             return h
-        h.work = self._start(tensor, name)
+        h.work = self._start(tensor, name, average)
         teardown.started(self, h)  # completed at exit if nobody waits for it
         return h
 
-    def _start(self, tensor: torch.Tensor, name: str) -> Any:
-        """Start the engine's allreduce of ``tensor``; returns its work object."""
+    def _start(self, tensor: torch.Tensor, name: str, average: bool) -> Any:
+        """Start the engine's allreduce (average or sum) of ``tensor``; returns its work object."""
         raise NotImplementedError
 
     def _complete(self, handle: Handle) -> None:
@@ -126,8 +135,8 @@ class HorovodComm(Comm):
     def size(self) -> int:
         return self.hvd.size()
 
-    def _start(self, tensor, name):
-        return self.hvd.allreduce_async_(tensor, name=name, op=self.hvd.Average)
+    def _start(self, tensor, name, average):
+        return self.hvd.allreduce_async_(tensor, name=name, op=self.hvd.Average if average else self.hvd.Sum)
 
     def _complete(self, handle):
         self.hvd.synchronize(handle.work)
@@ -175,12 +184,13 @@ class TorchComm(Comm):
     def size(self) -> int:
         return self.dist.get_world_size(self.group)
 
-    def _start(self, tensor, name):
+    def _start(self, tensor, name, average):
         return self.dist.all_reduce(tensor, group=self.group, async_op=True)
 
     def _complete(self, handle):
         handle.work.wait()
-        handle.tensor.div_(self.size)
+        if handle.average:
+            handle.tensor.div_(self.size)
 
     def poll(self, handle):
         return handle.done or handle.work.is_completed()

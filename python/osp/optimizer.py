@@ -518,7 +518,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._side_own.copy_(self._side)
         # stage 1: the side channel and the critical blocks, averaged before the update
         t1 = time.perf_counter()
-        side_h = self.comm.allreduce_avg_async_(self._side, "osp.side")
+        side_h = self.comm.allreduce_sum_async_(self._side, "osp.side")
         work, lo = [], 0
         for gi, (fg, kc) in enumerate(zip(self.groups, counts)):
             m = self._mask[lo:lo + fg.nblocks]

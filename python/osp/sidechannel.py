@@ -1,11 +1,11 @@
-"""The side channel: a few fp32 numbers every OSP step averages across ranks next to stage 1.
+"""The side channel: a few fp32 numbers every OSP step sums across ranks next to stage 1.
 
 Fields: how many flat gradients hold an inf or nan on some rank (the step is then skipped on every
 rank), the ``auto`` budget's measurements (bandwidth in MB/s, the window stage 2 had and the wait
 for it, in ms), and two checksums of the critical-block mask each rank chose. The buffer is its own
 fp32 tensor on the parameters' device, whatever their dtype: measurements summed across ranks in
 fp16 would overflow. Encoding launches only small fills and copies on the device (no host sync);
-decoding reads the averaged buffer once (the step's one sync) and raises if the ranks chose
+decoding reads the summed buffer once (the step's one sync) and raises if the ranks chose
 different blocks, which would otherwise corrupt training silently (e.g. GPUs of different
 generations contracting FMAs differently when scoring).
 """
@@ -18,13 +18,14 @@ import torch
 
 FIELDS = ("nonfinite", "bandwidth_mbps", "window_ms", "wait_ms", "mask_sum1", "mask_sum2")
 # Checksums are weighted sums of the mask modulo small primes: integers below 2^11, so their sum over
-# up to 2^13 ranks is exact in fp32 and the average times the world size recovers it exactly.
+# up to 2^13 ranks is exact in fp32. A sum, not an average: exact, and Horovod never fuses it with the
+# averaged stage-1 buffers (fusion would move their reduction boundaries from run to run).
 _PRIMES = (2039, 2029)
 
 
 @dataclass
 class Side:
-    """The decoded, rank-averaged side channel (identical on every rank)."""
+    """The decoded side channel, measurements averaged over ranks (identical on every rank)."""
     nonfinite: bool
     bandwidth: float  # bytes/s
     window: float  # s
@@ -64,16 +65,16 @@ def read(t: torch.Tensor) -> List[float]:
     return t.tolist()
 
 
-def decode(avg: torch.Tensor, own: torch.Tensor, size: int, step: int) -> Side:
-    """Decode the rank-averaged buffer ``avg``; ``own`` is this rank's buffer before averaging (a copy).
-
-    Raises ``RuntimeError`` on every rank when the ranks chose different critical blocks."""
-    a, o = read(avg), read(own)
+def decode(total: torch.Tensor, own: torch.Tensor, size: int, step: int) -> Side:
+    """Decode the buffer summed over ranks, ``total``; ``own`` is this rank's buffer before the sum
+    (a copy). Raises ``RuntimeError`` on every rank when the ranks chose different critical blocks."""
+    t, o = read(total), read(own)
     for i in (4, 5):
-        if round(a[i] * size) != round(o[i]) * size:
+        if round(t[i]) != round(o[i]) * size:
             raise RuntimeError(
                 f"osp: ranks chose different critical blocks at step {step} (mask checksum {o[i]:.0f} on this "
-                f"rank, {a[i]:.3f} averaged over {size} ranks); continuing would make the replicas diverge. "
+                f"rank, {t[i] / size:.3f} on average over {size} ranks); continuing would make the replicas diverge. "
                 "The block scores must be bitwise equal on every rank: check that all ranks run the same "
                 "osp, torch and hardware kind")
-    return Side(nonfinite=a[0] > 0, bandwidth=a[1] * 1e6, window=a[2] * 1e-3, wait=a[3] * 1e-3)
+    return Side(nonfinite=t[0] > 0, bandwidth=t[1] / size * 1e6, window=t[2] / size * 1e-3,
+                wait=t[3] / size * 1e-3)

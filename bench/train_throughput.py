@@ -47,11 +47,11 @@ def worker(a):
     import torch.nn.functional as F
 
     import osp
-    from osp import comm as C
+    from osp.launcher import init_from_env
 
     torch.set_num_threads(1)
     backend = engine(a.contender, a.osp_backend)
-    comm = C.init_from_env(backend, timeout_s=300)
+    comm = init_from_env(backend, timeout_s=300)
     model = make_mlp(a.width)
     nparams = sum(p.numel() for p in model.parameters())
     inner = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)

@@ -5,8 +5,10 @@
                                    named_parameters=model.named_parameters(), sync=osp.OSP())
 """
 from . import ops
-from .optimizer import BSP, OSP, DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
+from .launcher import init_from_env
+from .modes import BSP, OSP
+from .optimizer import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
 
 __version__ = "0.1.0"
 __all__ = ["ops", "BSP", "OSP", "DistributedOptimizer", "broadcast_parameters",
-           "broadcast_optimizer_state", "__version__"]
+           "broadcast_optimizer_state", "init_from_env", "__version__"]

@@ -3,12 +3,12 @@
 ``Comm`` offers what the optimizer needs: in-place allreduce-average (blocking or asynchronous with a
 handle), wait, poll, broadcast, rank and size. ``HorovodComm`` runs on ``horovod.torch`` (NCCL on
 GPUs, Gloo or MPI on CPUs); ``TorchComm`` on ``torch.distributed`` (NCCL or Gloo). ``get_comm("auto")``
-picks Horovod when it is initialized, else an initialized default process group.
+picks Horovod when it is initialized, else an initialized default process group. Starting an engine
+from a launcher's environment is ``osp.launcher.init_from_env``.
 """
 from __future__ import annotations
 
-import datetime
-import os
+import abc
 import time
 from typing import Any, Optional
 
@@ -27,17 +27,21 @@ class Handle:
         self.tensor, self.work, self.done, self.average = tensor, work, False, average
 
 
-class Comm:
+class Comm(abc.ABC):
+    """The engine interface osp needs; subclasses implement the abstract methods."""
+
     name = "base"
 
     def __init__(self):
         teardown.register()
 
     @property
+    @abc.abstractmethod
     def rank(self) -> int:
         raise NotImplementedError
 
     @property
+    @abc.abstractmethod
     def size(self) -> int:
         raise NotImplementedError
 
@@ -59,10 +63,12 @@ class Comm:
         teardown.started(self, h)  # completed at exit if nobody waits for it
         return h
 
+    @abc.abstractmethod
     def _start(self, tensor: torch.Tensor, name: str, average: bool) -> Any:
         """Start the engine's allreduce (average or sum) of ``tensor``; returns its work object."""
         raise NotImplementedError
 
+    @abc.abstractmethod
     def _complete(self, handle: Handle) -> None:
         """Block until the engine's work of ``handle`` is done and the average is in its tensor."""
         raise NotImplementedError
@@ -75,6 +81,7 @@ class Comm:
             teardown.finished(handle)
         return handle.tensor
 
+    @abc.abstractmethod
     def poll(self, handle: Handle) -> bool:
         raise NotImplementedError
 
@@ -84,6 +91,7 @@ class Comm:
 
     def check_dtype(self, dtype: torch.dtype, what: str) -> None:
         """Raise ``ValueError`` if this engine cannot average tensors of ``dtype``."""
+        return None
 
     def wait(self, handle: Handle, timeout: Optional[float] = None, what: str = "allreduce") -> torch.Tensor:
         """Wait for ``handle``; with ``timeout`` (seconds), raise ``TimeoutError`` instead of waiting
@@ -106,9 +114,11 @@ class Comm:
     def broadcast_object(self, obj: Any, root: int = 0) -> Any:
         return self.allgather_object(obj)[root]
 
+    @abc.abstractmethod
     def broadcast_(self, tensor: torch.Tensor, root: int, name: str) -> None:
         raise NotImplementedError
 
+    @abc.abstractmethod
     def allgather_object(self, obj: Any) -> list:
         raise NotImplementedError
 
@@ -243,47 +253,3 @@ def get_comm(backend: str | Comm = "auto") -> Comm:
     if backend == "torch":
         return TorchComm()
     raise ValueError(f"osp: unknown backend {backend!r}: expected 'auto', 'horovod', 'torch' or a Comm")
-
-
-def init_from_env(backend: str, timeout_s: Optional[float] = None, device="cpu") -> Comm:
-    """Start the engine of ``backend`` from the launcher's environment and return its Comm.
-
-    ``device`` is where the model lives: ``"cpu"`` (default) or ``"cuda"``. With ``"cuda"`` each rank
-    takes the GPU of its local rank (``torch.cuda.set_device``). ``horovod``: ``hvd.init()``
-    (horovodrun or mpirun). ``torch``: a Gloo process group for CPU models, NCCL for CUDA ones, from
-    torchrun's variables, or from Open MPI's (``OMPI_COMM_WORLD_*``) when started by ``mpirun``, with
-    ``MASTER_ADDR``/``MASTER_PORT`` from the environment.
-    """
-    dev = torch.device(device)
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"osp: init_from_env(device) must be 'cpu' or 'cuda', got {device!r}")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("osp: init_from_env(device='cuda') but torch sees no CUDA device")
-    if backend == "horovod":
-        import horovod.torch as hvd
-
-        hvd.init()
-        if dev.type == "cuda":
-            torch.cuda.set_device(hvd.local_rank())
-        return HorovodComm()
-    if backend == "torch":
-        import torch.distributed as dist
-
-        env = os.environ
-        if "RANK" not in env and "OMPI_COMM_WORLD_RANK" in env:
-            env["RANK"] = env["OMPI_COMM_WORLD_RANK"]
-            env["WORLD_SIZE"] = env["OMPI_COMM_WORLD_SIZE"]
-            env["LOCAL_RANK"] = env.get("OMPI_COMM_WORLD_LOCAL_RANK", "0")
-        env.setdefault("MASTER_ADDR", "127.0.0.1")
-        env.setdefault("MASTER_PORT", "29500")
-        # the engine follows the model, not the machine: a CPU model on a GPU host still needs Gloo
-        pg = "gloo"
-        if dev.type == "cuda":
-            torch.cuda.set_device(int(env.get("LOCAL_RANK", "0")))
-            pg = "nccl"
-        kw = {}
-        if timeout_s is not None:
-            kw["timeout"] = datetime.timedelta(seconds=timeout_s)
-        dist.init_process_group(pg, **kw)
-        return TorchComm()
-    raise ValueError(f"osp: unknown backend {backend!r}: expected 'horovod' or 'torch'")

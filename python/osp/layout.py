@@ -1,8 +1,10 @@
-"""Flat buffers: the parameters of one param group, dtype and device live in one flat buffer
-(parameters become views into it, as DDP's gradient_as_bucket_view and FSDP's flat parameters do);
-gradients and fast-path optimizer state likewise. The buffer is padded with zeros to a whole number
-of blocks, so every block is full: a packed buffer of k blocks holds k * block_size elements, which
-the caller knows without asking the device."""
+"""Flat buffers and block geometry.
+
+The parameters of one param group, dtype and device live in one flat buffer (parameters become views
+into it, as DDP's gradient_as_bucket_view and FSDP's flat parameters do); gradients likewise. The
+buffer is padded with zeros to a whole number of blocks, so every block is full: a packed buffer of k
+blocks holds k * block_size elements, which the caller knows without asking the device.
+"""
 from __future__ import annotations
 
 from typing import Dict, List, Optional
@@ -11,11 +13,12 @@ import torch
 
 
 class FlatGroup:
-    """Flat storage for ``params`` (same dtype and device, one param group)."""
+    """Flat storage and block geometry for ``params`` (same dtype and device, one param group)."""
 
     def __init__(self, params: List[torch.nn.Parameter], names: List[str], group_index: int,
                  block_size: Optional[int]):
-        """``block_size=None``: one block of exactly the parameters' size (no padding; BSP)."""
+        """``block_size=None``: the whole group is one block (no padding): for modes that move the
+        whole gradient and never split it."""
         self.params, self.names, self.group_index = params, names, group_index
         self.dtype, self.device = params[0].dtype, params[0].device
         self.index = {id(p): i for i, p in enumerate(params)}
@@ -35,23 +38,13 @@ class FlatGroup:
                 v = self.param[o:o + p.numel()].view_as(p)
                 v.copy_(p.detach())
                 p.data = v
-        self.grad_views = [self.grad[o:o + p.numel()].view_as(p) for p, o in zip(params, self.offsets)]
-        self.state: Dict[str, torch.Tensor] = {}  # fast-path optimizer state, flat
-        self._work: Dict[str, torch.Tensor] = {}
+        self.grad_views = [self.view(self.grad, i) for i in range(len(params))]
         # first and last block of each parameter, to find the parameters a block set touches
         self.block_span = [(o // block_size, (o + max(p.numel(), 1) - 1) // block_size)
                            for p, o in zip(params, self.offsets)]
 
-    def workspace(self, name: str, numel: int, extra: int = 0) -> torch.Tensor:
-        """A view of ``numel`` elements of a buffer kept across steps (allocated once, at the padded
-        size plus ``extra``): fresh 100 MB allocations every step cost more in page faults than the
-        kernels that fill them."""
-        buf = self._work.get(name)
-        if buf is None:
-            buf = self._work[name] = torch.empty(self.padded + extra, dtype=self.dtype, device=self.device)
-        return buf[:numel]
-
     def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        """Parameter ``i``'s part of a flat buffer laid out like this group."""
         p, o = self.params[i], self.offsets[i]
         return flat[o:o + p.numel()].view_as(p)
 
@@ -77,24 +70,26 @@ class FlatGroup:
             p.grad = gv
 
     def touched(self, block_mask: torch.Tensor) -> List[int]:
-        """Indices of the parameters that have an element in a block where ``block_mask`` is set."""
+        """Indices of the parameters that have an element in a block where ``block_mask`` is set
+        (reads the mask on the host)."""
         m = block_mask.tolist()
         return [i for i, (b0, b1) in enumerate(self.block_span) if any(m[b0:b1 + 1])]
 
-    def adopt_state(self, opt_state, keys) -> bool:
-        """Move the optimizer's per-parameter state tensors ``keys`` into flat buffers (views), so the
-        block kernels can pack and correct them. Returns False when some parameter lacks a key."""
-        for key in keys:
-            if key not in self.state:
-                self.state[key] = torch.zeros_like(self.param)
-            flat = self.state[key]
-            for i, p in enumerate(self.params):
-                st = opt_state.get(p)
-                if not st or key not in st or st[key] is None:
-                    return False
-                t = st[key]
-                v = self.view(flat, i)
-                if t.data_ptr() != v.data_ptr():
-                    v.copy_(t)
-                    st[key] = v
-        return True
+
+class Workspace:
+    """Buffers of one flat group's size kept across steps, by name: fresh 100 MB allocations every
+    step cost more in page faults than the kernels that fill them. Each user owns its own."""
+
+    def __init__(self, fg: FlatGroup):
+        self.fg = fg
+        self._bufs: Dict[str, torch.Tensor] = {}
+
+    def __call__(self, name: str, numel: Optional[int] = None) -> torch.Tensor:
+        """The first ``numel`` elements (default: all ``fg.padded``) of buffer ``name``."""
+        buf = self._bufs.get(name)
+        if buf is None:
+            buf = self._bufs[name] = torch.empty(self.fg.padded, dtype=self.fg.dtype, device=self.fg.device)
+        return buf if numel is None else buf[:numel]
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._bufs.values())

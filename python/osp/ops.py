@@ -111,14 +111,6 @@ def score_blocks(
     return ref_score_blocks(grad, block_size, metric, param, eps)
 
 
-def block_scores(
-    grad: torch.Tensor, block_size: int, metric: str = "l2", param: Optional[torch.Tensor] = None,
-    eps: float = 1e-8,
-) -> torch.Tensor:
-    """fp32 importance score of every block of ``grad`` (see :func:`score_blocks`)."""
-    return score_blocks(grad, block_size, metric, param, eps)[0]
-
-
 def pack_blocks(
     flat: torch.Tensor, block_ids: torch.Tensor, block_size: int, out: Optional[torch.Tensor] = None
 ) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import osp
-from osp import comm as C
+from osp.launcher import init_from_env
 
 
 def load_digits_split(seed_split: int = 0):
@@ -69,8 +69,8 @@ def init(backend: str, device: str = "cpu"):
 
         dist.init_process_group("nccl" if device == "cuda" else "gloo", store=dist.HashStore(), rank=0,
                                 world_size=1)
-        return C.TorchComm(), "torch"
-    return C.init_from_env(backend, device=device), backend
+        return osp.comm.TorchComm(), "torch"
+    return init_from_env(backend, device=device), backend
 
 
 class Progress:

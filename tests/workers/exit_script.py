@@ -10,10 +10,10 @@ import sys
 import torch
 
 import osp
-from osp import comm as C
+from osp.launcher import init_from_env
 
 backend, ending = sys.argv[1], sys.argv[2]
-comm = C.init_from_env(backend)
+comm = init_from_env(backend)
 torch.set_num_threads(1)
 torch.manual_seed(0)
 
@@ -39,7 +39,7 @@ for _step in range(3):
 if ending == "flush":  # as README advises before evaluating or stopping: the last call waits for stage 2
     opts[0].flush()
 else:
-    assert opts[0]._pending, "OSP's stage 2 should still be in flight when the script returns"
+    assert opts[0].mode.in_flight, "OSP's stage 2 should still be in flight when the script returns"
 # the last line, as in many scripts: the final loss averaged over ranks with the engine's own collective
 if backend == "torch":
     final = torch.tensor([loss.item()])

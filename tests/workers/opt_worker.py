@@ -14,10 +14,10 @@ import warnings
 import torch
 
 import osp
-from osp import comm as C
+from osp.launcher import init_from_env
 
 scenario, backend, outdir = sys.argv[1], sys.argv[2], sys.argv[3]
-comm = C.init_from_env(backend, timeout_s=60)
+comm = init_from_env(backend, timeout_s=60)
 rank, size = comm.rank, comm.size
 torch.set_num_threads(1)
 results = {"rank": rank, "size": size, "checks": {}, "errors": {}}
@@ -123,7 +123,7 @@ def invariants():
                                        backend=backend)
         sched = scheduler(opt)
         digests = []
-        opt._on_synced = lambda o, d=digests, m=model: d.append(comm.allgather_object(digest(m, o)))
+        opt.on_synced = lambda o, d=digests, m=model: d.append(comm.allgather_object(digest(m, o)))
         grads = []
         for step in range(STEPS):
             train_step(model, opt, step, record=grads)
@@ -231,11 +231,11 @@ def configs():
 
         model, opt = fresh()
         digests, grads = [], []
-        opt._on_synced = lambda o, d=digests, m=model: d.append(comm.allgather_object(digest(m, o)))
+        opt.on_synced = lambda o, d=digests, m=model: d.append(comm.allgather_object(digest(m, o)))
         for step in range(STEPS):
             if cname == "fp16_auto" and step == STEPS - 2:
                 # a fast link: 40 GB/s per rank must survive the side channel's sum across ranks
-                opt._bw_sample = 4e10
+                opt.mode.budget.bw_sample = 4e10
             step_on(model, opt, step, record=grads)
         opt.flush()
         check(f"I1/{cname}", len(digests) == STEPS + 1 and all(len(set(d)) == 1 for d in digests),
@@ -244,8 +244,8 @@ def configs():
         check(f"deferred/{cname}", all(h["bytes_stage2"] > 0 for h in hist[2:]), hist)
         if kw["critical"] == "auto":
             import math
-            check(f"auto_measures/{cname}", math.isfinite(opt.budget.bw or float("nan")) and
-                  opt.budget.fraction < 1.0, opt.budget.state_dict())
+            check(f"auto_measures/{cname}", math.isfinite(opt.mode.budget.bw or float("nan")) and
+                  opt.mode.budget.fraction < 1.0, opt.mode.budget.state_dict())
         all_grads = comm.allgather_object(grads)
         replay = make_model().to(dtype)
         ropt = make_opt(replay)
@@ -293,7 +293,7 @@ def badinput():
         train_step(model, opt, step)
     opt.flush()
     if rank == size - 1:
-        opt._scores = opt._scores.flip(0).contiguous()  # this rank's idea of the important blocks differs
+        opt.mode.scores = opt.mode.scores.flip(0).contiguous()  # this rank's idea of the important blocks differs
     expect_error("mask_mismatch", RuntimeError, "ranks chose different critical blocks",
                  lambda: train_step(model, opt, 2))
 
@@ -416,10 +416,12 @@ def horovod_match():
               f"max abs diff {float((a - b).abs().max()):.3g}")
 
 
+SCENARIOS = {"invariants": invariants, "configs": configs, "badinput": badinput, "mismatch": mismatch,
+             "peer_dies": lambda: peer_fails(stall=False), "peer_stalls": lambda: peer_fails(stall=True),
+             "horovod_match": horovod_match}
 try:
-    {"invariants": invariants, "configs": configs, "badinput": badinput, "mismatch": mismatch,
-     "peer_dies": lambda: peer_fails(stall=False), "peer_stalls": lambda: peer_fails(stall=True),
-     "horovod_match": horovod_match}[scenario]()
+    name, _, arg = scenario.partition(":")  # e.g. dsync:2
+    SCENARIOS[name](*([arg] if arg else []))
 except Exception:
     results["errors"]["uncaught"] = traceback.format_exc()
 with open(os.path.join(outdir, f"rank{rank}.json"), "w") as fh:

@@ -7,11 +7,11 @@ import sys
 
 import torch
 
-from osp import comm as C
 from osp import ops
+from osp.launcher import init_from_env
 
 backend, out = sys.argv[1], sys.argv[2]
-c = C.init_from_env(backend)
+c = init_from_env(backend)
 rank, size = c.rank, c.size
 bs = 64
 n = 10 * bs + 17  # 11 blocks, the last one short

@@ -1,0 +1,93 @@
+"""Gradients averaged in buckets that start during backward (as DDP's reducer and Horovod's hooks do).
+
+A bucket is a run of consecutive parameters of one flat group, in reverse order (as backward produces
+them), of about ``bucket_mb`` MiB: a contiguous slice of the flat gradient. When every parameter of a
+bucket has had its last backward pass of the step, the bucket's slice is averaged asynchronously.
+Buckets start strictly in order, so every rank issues the same collectives in the same order.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Sequence
+
+import torch
+
+from .comm import Comm, Handle
+from .layout import FlatGroup
+
+
+class Buckets:
+    """The buckets of ``groups`` and the averages of one step in flight.
+
+    ``dest(fg)`` is the buffer a flat group's gradient is averaged in (default: the flat gradient
+    itself; a mode that keeps the local gradient passes a buffer of its own, which receives a copy).
+    """
+
+    def __init__(self, groups: Sequence[FlatGroup], bucket_mb: float, comm: Comm, passes_per_step: int,
+                 name: str):
+        self.comm, self.passes_per_step, self.name = comm, passes_per_step, name
+        limit = int(bucket_mb * (1 << 20))
+        self.buckets: List[tuple] = []  # (fg, lo, hi, params)
+        for fg in groups:
+            cur, lo, hi = [], None, None
+            for i in reversed(range(len(fg.params))):
+                p, o = fg.params[i], fg.offsets[i]
+                if cur and (hi - o) * p.element_size() > limit:
+                    self.buckets.append((fg, lo, hi, cur))
+                    cur = []
+                if not cur:
+                    hi = fg.padded if i == len(fg.params) - 1 else o + p.numel()
+                cur.append(p)
+                lo = 0 if i == 0 else o
+            if cur:
+                self.buckets.append((fg, lo, hi, cur))
+        self._bucket_of = {p: b for b, (_, _, _, ps) in enumerate(self.buckets) for p in ps}
+        self.dest: Callable[[FlatGroup], torch.Tensor] = lambda fg: fg.grad
+        self.reset()
+
+    def reset(self, dest: Callable[[FlatGroup], torch.Tensor] = None, tag: str = "") -> None:
+        """Forget the step's passes and handles (the caller waited for them or keeps them)."""
+        self._passes: Dict[torch.nn.Parameter, int] = {}
+        self._ready = [0] * len(self.buckets)
+        self.launched: List[Handle] = []
+        if dest is not None:
+            self.dest = dest
+        self.tag = tag
+
+    @property
+    def in_flight(self) -> bool:
+        return bool(self.launched)
+
+    def on_grad(self, p: torch.Tensor) -> None:
+        """A backward pass produced ``p``'s gradient."""
+        n = self._passes.get(p, 0) + 1
+        self._passes[p] = n
+        if n > self.passes_per_step:
+            # its bucket's average may already be in flight: adding into it would differ per rank
+            raise RuntimeError(
+                f"osp: gradients were computed {n} times before step(), more than backward_passes_per_step="
+                f"{self.passes_per_step}; raise backward_passes_per_step to accumulate gradients "
+                "locally, or call step() after each backward")
+        if n == self.passes_per_step:
+            self._ready[self._bucket_of[p]] += 1
+            self.launch(force=False)
+
+    def launch(self, force: bool = True) -> List[Handle]:
+        """Start the buckets that are ready (``force``: all the rest, a missing gradient counting as
+        zeros); returns the handles of the step so far."""
+        while len(self.launched) < len(self.buckets):
+            b = len(self.launched)
+            fg, lo, hi, ps = self.buckets[b]
+            if not force and self._ready[b] < len(ps):
+                break
+            fg.gather_grads(ps)
+            buf = self.dest(fg)
+            if buf is not fg.grad:
+                buf[lo:hi].copy_(fg.grad[lo:hi])
+            self.launched.append(self.comm.allreduce_avg_async_(buf[lo:hi], f"{self.name}{self.tag}.{b}"))
+        return self.launched
+
+    def wait(self, handles: Sequence[Handle], timeout: float, what: str) -> None:
+        for h in handles:
+            self.comm.wait(h, timeout, what)
+
+

@@ -1,0 +1,365 @@
+"""LGP: snapshots of what an exact update needs, and the exact re-application (DESIGN.md, "LGP").
+
+OSP and DSync move some blocks with this rank's own gradient while their average is in flight. Before
+that provisional update they take a snapshot of those blocks; when the average arrives the corrector
+restores the snapshot and applies the optimizer's update with the averaged gradient, so the applied
+update is exactly the synchronous one. One corrector per optimizer kind:
+
+- ``FusedSGD`` (``torch.optim.SGD``: momentum, dampening, nesterov, weight decay, maximize) and
+  ``FusedAdam`` (``Adam`` and ``AdamW``, amsgrad too) keep the optimizer's state in flat buffers and
+  correct packed blocks with fused kernels;
+- ``Generic``, for any other optimizer (and for a fused kind in a configuration the kernels do not
+  cover): restore the touched parameters and their state, and step the wrapped optimizer again.
+
+    snap = corrector.snapshot(fg, mask, n_deferred)   # before the provisional update
+    ...                                               # the average in flight
+    corrector.correct([(snap, avg)])                  # the exact update of the deferred blocks
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from . import ops
+from .layout import FlatGroup, Workspace
+
+
+def by_value(v):
+    if torch.is_tensor(v):
+        return v.detach().clone()
+    if isinstance(v, (tuple, list)):
+        return type(v)(by_value(x) for x in v)
+    return v
+
+
+def hyper(group: dict) -> dict:
+    """A param group's hyper-parameters by value: a tensor lr that a scheduler updates in place must
+    not change the snapshot that the correction of this step uses."""
+    return {k: by_value(v) for k, v in group.items() if k != "params"}
+
+
+def unhooked_step(optimizer: torch.optim.Optimizer) -> None:
+    """The wrapped optimizer's own step, without the step hooks torch.optim wraps around it: the hooks
+    run once per ``DistributedOptimizer.step()``, not for each local update or correction."""
+    step = type(optimizer).step
+    if getattr(step, "hooked", False):
+        step = step.__wrapped__
+    step(optimizer)
+
+
+def _clone_state(st: Optional[dict]) -> Optional[dict]:
+    if not st:
+        return None
+    return {k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in st.items()}
+
+
+@dataclass
+class Snapshot:
+    """What the exact update of one flat group's deferred blocks (where ``mask`` is not set) needs."""
+    fg: FlatGroup
+    mask: torch.Tensor  # blocks NOT in the snapshot (already exact)
+    hyper: Dict[str, Any]  # the group's hyper-parameters for the update being corrected
+
+
+@dataclass
+class FusedSnapshot(Snapshot):
+    param: Optional[torch.Tensor] = None  # the deferred blocks of the parameters, packed
+    state: Dict[str, Optional[torch.Tensor]] = field(default_factory=dict)  # None: no state yet
+    step: float = 1.0  # Adam: the number of the update being corrected
+
+
+@dataclass
+class GenericSnapshot(Snapshot):
+    touched: List[int] = field(default_factory=list)
+    params: Dict[int, torch.Tensor] = field(default_factory=dict)
+    states: Dict[int, Optional[dict]] = field(default_factory=dict)
+    grad: Optional[torch.Tensor] = None  # the step's flat gradient (critical blocks already averaged)
+
+
+class Generic:
+    """Any optimizer: snapshot whole parameters that have a deferred element (and their state); correct
+    by restoring them and stepping the wrapped optimizer on just those, under the hyper-parameters of
+    the step being corrected. Reads the mask on the host."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+        self._ws: Dict[int, Workspace] = {}
+
+    def workspace(self, fg: FlatGroup) -> Workspace:
+        ws = self._ws.get(id(fg))
+        if ws is None:
+            ws = self._ws[id(fg)] = Workspace(fg)
+        return ws
+
+    def adopt(self, groups: Sequence[FlatGroup]) -> None:
+        """Called after every step of the wrapped optimizer and after loading its state."""
+
+    def snapshot(self, fg: FlatGroup, mask: torch.Tensor, n_deferred: int, step_hyper: dict) -> Snapshot:
+        st = self.optimizer.state
+        s = GenericSnapshot(fg=fg, mask=mask, hyper=step_hyper, touched=fg.touched(~mask))
+        for i in s.touched:
+            p = fg.params[i]
+            s.params[i] = p.detach().clone()
+            s.states[i] = _clone_state(st.get(p))
+        s.grad = self.workspace(fg)("snap.grad").copy_(fg.grad)
+        return s
+
+    def correct(self, items: List[Tuple[Snapshot, torch.Tensor]]) -> None:
+        self._correct_generic(items)
+
+    def _correct_generic(self, items) -> None:
+        if not items:
+            return
+        with _stepping_only(self.optimizer) as set_grad:
+            for s, avg in items:
+                fg = s.fg
+                ops.merge_blocks(None, avg, s.mask, fg.block_size, s.grad)
+                self.optimizer.param_groups[fg.group_index].update(s.hyper)
+                self._restore_generic(s)
+                for i in s.touched:
+                    set_grad(fg.params[i], fg.view(s.grad, i))
+            unhooked_step(self.optimizer)
+
+    def _restore_generic(self, s: "GenericSnapshot") -> None:
+        state = self.optimizer.state
+        for i in s.touched:
+            p = s.fg.params[i]
+            p.copy_(s.params[i])
+            snap = s.states[i]
+            if snap is None:
+                state.pop(p, None)
+                continue
+            st = state.setdefault(p, {})
+            for k in list(st):
+                if k not in snap:
+                    del st[k]
+            for k, v in snap.items():
+                if torch.is_tensor(v) and torch.is_tensor(st.get(k)) and st[k].shape == v.shape:
+                    st[k].copy_(v)
+                else:
+                    st[k] = v
+
+    def restore(self, snaps: Sequence[Snapshot]) -> None:
+        """Put the snapshotted blocks back as they were (no update)."""
+        for s in snaps:
+            self._restore_generic(s)
+
+    def step_count(self, fg: FlatGroup) -> float:
+        """How many updates the state of ``fg`` has had, where the kernels need it (Adam); else 0."""
+        return 0.0
+
+    def set_step_count(self, groups: Sequence[FlatGroup], counts: Optional[Sequence[float]]) -> None:
+        """Make the wrapped optimizer's update number of each group's parameters ``counts`` (where a
+        fused kernel keeps it outside the optimizer's own state); ``None``: leave them."""
+
+    def nbytes(self) -> int:
+        """Bytes of the buffers kept for snapshots."""
+        return sum(ws.nbytes() for ws in self._ws.values())
+
+    def replay(self, items: List[Tuple[FlatGroup, torch.Tensor]], step_hyper: List[dict],
+               steps: Sequence[float]) -> None:
+        """A provisional update of whole flat groups with the gradients ``items`` under the
+        hyper-parameters of the step being replayed (``step_hyper``, one dict per param group);
+        ``steps``: its update number for each item (Adam's bias correction)."""
+        with _stepping_only(self.optimizer) as set_grad:
+            for g, h in zip(self.optimizer.param_groups, step_hyper):
+                g.update(h)
+            for fg, grad in items:
+                for i, p in enumerate(fg.params):
+                    set_grad(p, fg.view(grad, i))
+            unhooked_step(self.optimizer)
+
+
+class _stepping_only:
+    """Step the wrapped optimizer on chosen parameters only: every other gradient is hidden (an optimizer
+    skips a parameter without a gradient), and gradients and hyper-parameters are put back after."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    def __enter__(self):
+        self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        self.grads = [p.grad for p in self.params]
+        self.hyper = [hyper(g) for g in self.optimizer.param_groups]
+        for p in self.params:
+            p.grad = None
+
+        def set_grad(p, g):
+            p.grad = g
+        return set_grad
+
+    def __exit__(self, *exc):
+        for p, g in zip(self.params, self.grads):
+            p.grad = g
+        for g, h in zip(self.optimizer.param_groups, self.hyper):
+            g.update(h)
+        return False
+
+
+class _Fused(Generic):
+    """The flat-state machinery the fused correctors share; a group the kernels cannot take goes the
+    generic way."""
+
+    keys: Tuple[str, ...] = ()
+
+    def __init__(self, optimizer):
+        super().__init__(optimizer)
+        self.flat: Dict[int, Dict[str, torch.Tensor]] = {}  # per flat group: optimizer state, flat
+
+    def state_keys(self, fg: FlatGroup) -> Tuple[str, ...]:
+        return self.keys
+
+    def fused_ok(self, fg: FlatGroup) -> bool:
+        group = self.optimizer.param_groups[fg.group_index]
+        return not (group.get("differentiable") or group.get("capturable"))
+
+    def adopt(self, groups: Sequence[FlatGroup]) -> None:
+        """Move the optimizer's per-parameter state tensors into flat buffers (views), so the block
+        kernels can pack and correct them; loaded or new state tensors are copied in."""
+        st = self.optimizer.state
+        for fg in groups:
+            if not all(st.get(p) for p in fg.params):
+                continue
+            flat = self.flat.setdefault(id(fg), {})
+            for key in self.state_keys(fg):
+                if key not in flat:
+                    flat[key] = torch.zeros_like(fg.param)
+                for i, p in enumerate(fg.params):
+                    if key not in st[p] or st[p][key] is None:
+                        break
+                    t, v = st[p][key], fg.view(flat[key], i)
+                    if t.data_ptr() != v.data_ptr():
+                        v.copy_(t)
+                        st[p][key] = v
+
+    def has_state(self, fg: FlatGroup) -> bool:
+        return all(self.optimizer.state.get(p) for p in fg.params)
+
+    def snapshot(self, fg, mask, n_deferred, step_hyper):
+        if not self.fused_ok(fg):
+            return super().snapshot(fg, mask, n_deferred, step_hyper)
+        ws, bs = self.workspace(fg), fg.block_size
+        s = FusedSnapshot(fg=fg, mask=mask, hyper=step_hyper, param=ws("snap.param", n_deferred))
+        ops.split_blocks(fg.param, mask, bs, None, s.param)
+        flat = self.flat.get(id(fg), {}) if self.has_state(fg) else {}
+        for key in self.state_keys(fg):
+            if key in flat:
+                s.state[key] = ws("snap." + key, n_deferred)
+                ops.split_blocks(flat[key], mask, bs, None, s.state[key])
+            else:
+                s.state[key] = None  # no state before this step (its first)
+        s.step = self.step_count(fg) + 1
+        return s
+
+    def correct(self, items):
+        generic = [(s, a) for s, a in items if not isinstance(s, FusedSnapshot)]
+        for s, avg in items:
+            if isinstance(s, FusedSnapshot):
+                self._kernel(s.fg, s.param, avg, s.state, s.hyper, s.step)
+                for key, buf in s.state.items():
+                    ops.merge_blocks(None, buf, s.mask, s.fg.block_size, self.flat[id(s.fg)][key])
+                ops.merge_blocks(None, s.param, s.mask, s.fg.block_size, s.fg.param)
+        self._correct_generic(generic)
+
+    def restore(self, snaps):
+        st = self.optimizer.state
+        for s in snaps:
+            if not isinstance(s, FusedSnapshot):
+                self._restore_generic(s)
+                continue
+            bs = s.fg.block_size
+            ops.merge_blocks(None, s.param, s.mask, bs, s.fg.param)
+            if any(buf is None for buf in s.state.values()):
+                for p in s.fg.params:  # the state begins after the snapshot
+                    st.pop(p, None)
+                continue
+            for key, buf in s.state.items():
+                ops.merge_blocks(None, buf, s.mask, bs, self.flat[id(s.fg)][key])
+
+    def replay(self, items, step_hyper, steps):
+        generic, gsteps = [], []
+        for (fg, grad), step in zip(items, steps):
+            if not (self.fused_ok(fg) and self.has_state(fg)):
+                generic.append((fg, grad))
+                gsteps.append(step)
+                continue
+            state = {key: self.flat[id(fg)][key] for key in self.state_keys(fg)}
+            self._kernel(fg, fg.param, grad, state, step_hyper[fg.group_index], step)
+        if generic:
+            super().replay(generic, step_hyper, gsteps)
+
+    def _kernel(self, fg, param, grad, state, h, step) -> None:
+        """One exact optimizer update of ``param`` (packed or whole) with ``grad``; ``state`` holds
+        buffers of the same layout (a None entry: the state starts with this update); they are filled
+        in place (a None entry is replaced)."""
+        raise NotImplementedError
+
+
+class FusedSGD(_Fused):
+    keys = ("momentum_buffer",)
+
+    def state_keys(self, fg):
+        return self.keys if self.optimizer.param_groups[fg.group_index].get("momentum", 0) else ()
+
+    def _kernel(self, fg, param, grad, state, h, step):
+        momentum = h.get("momentum", 0)
+        mom = state.get("momentum_buffer") if momentum else None
+        first = bool(momentum) and mom is None
+        if first:
+            mom = state["momentum_buffer"] = torch.empty_like(param)
+        ops.sgd_step_(param, grad, mom, lr=float(h["lr"]), momentum=momentum, dampening=h["dampening"],
+                      weight_decay=h["weight_decay"], nesterov=h["nesterov"],
+                      maximize=h.get("maximize", False), first=first)
+
+
+class FusedAdam(_Fused):
+    """``Adam`` and ``AdamW``."""
+
+    keys = ("exp_avg", "exp_avg_sq")
+
+    def state_keys(self, fg):
+        amsgrad = self.optimizer.param_groups[fg.group_index].get("amsgrad", False)
+        return self.keys + ("max_exp_avg_sq",) if amsgrad else self.keys
+
+    def fused_ok(self, fg):
+        # the kernel takes one step number for the whole group
+        return super().fused_ok(fg) and len({self._step_of(p) for p in fg.params}) == 1
+
+    def _step_of(self, p) -> float:
+        st = self.optimizer.state.get(p)
+        return float(st["step"]) if st else 0.0
+
+    def step_count(self, fg):
+        return self._step_of(fg.params[0])
+
+    def set_step_count(self, groups, counts):
+        if counts is None:
+            return
+        for fg, count in zip(groups, counts):
+            if not self.fused_ok(fg):
+                continue  # restored with the rest of the generic snapshot
+            for p in fg.params:
+                st = self.optimizer.state.get(p)
+                if st and torch.is_tensor(st.get("step")):
+                    st["step"].fill_(count)
+
+    def _kernel(self, fg, param, grad, state, h, step):
+        for key in self.state_keys(fg):
+            if state.get(key) is None:  # Adam's state starts at zero
+                state[key] = torch.zeros_like(param)
+        beta1, beta2 = h["betas"]
+        decoupled = isinstance(self.optimizer, torch.optim.AdamW) or h.get("decoupled_weight_decay", False)
+        amsgrad = h.get("amsgrad", False)
+        ops.adam_step_(param, grad, state["exp_avg"], state["exp_avg_sq"],
+                       state["max_exp_avg_sq"] if amsgrad else None, step=step, lr=float(h["lr"]),
+                       beta1=float(beta1), beta2=float(beta2), eps=h["eps"], weight_decay=h["weight_decay"],
+                       amsgrad=amsgrad, maximize=h.get("maximize", False), decoupled=decoupled)
+
+
+def corrector_for(optimizer: torch.optim.Optimizer) -> Generic:
+    """The corrector for ``optimizer``'s kind (exactly SGD, Adam or AdamW get fused kernels; a subclass
+    may change the update, so it takes the generic path)."""
+    kind = {torch.optim.SGD: FusedSGD, torch.optim.Adam: FusedAdam, torch.optim.AdamW: FusedAdam}
+    return kind.get(type(optimizer), Generic)(optimizer)

@@ -1,0 +1,6 @@
+"""Synchronization modes, one module each; ``base`` holds the interface they share."""
+from .base import Context, Mode, Options
+from .bsp import BSP
+from .osp import OSP
+
+__all__ = ["Context", "Mode", "Options", "BSP", "OSP"]

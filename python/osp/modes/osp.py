@@ -1,0 +1,237 @@
+"""OSP: two-stage synchronization with exact local-gradient correction (DESIGN.md, "OSP")."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+
+from .. import ops, sidechannel
+from ..comm import Handle
+from ..correction import Snapshot, corrector_for, hyper, unhooked_step
+from ..layout import FlatGroup, Workspace
+from ..policy import Budget, select_critical
+from .base import Context, Mode, Options, check_share
+
+_MAX_BLOCK = 1 << 30
+
+
+class OSP(Options):
+    """Two-stage synchronization. Each step the ``critical`` share of gradient blocks (the most
+    important by ``metric``) is averaged before the update; the rest is averaged in the background
+    while the next forward/backward runs, moved meanwhile by this rank's own gradient and corrected
+    exactly when the average arrives (LGP).
+
+    Args:
+        critical: share of blocks averaged in stage 1, in [0, 1], or ``"auto"``: defer as much as the
+            measured bandwidth can move in the measured time stage 2 has before the next step waits
+            for it (the next forward/backward and the rest of this step). ``1.0`` is BSP.
+        min_critical: floor on the critical share (the most important blocks always go first).
+        metric: block importance, ``"l2"``, ``"l1"``, ``"max"`` or ``"relative"`` (|g| / |w|).
+        block_size: elements per block.
+        warmup: with ``"auto"``, steps run fully critical first to measure the network.
+    """
+
+    name = "osp"
+
+    def __init__(self, critical=0.25, min_critical: float = 0.05, metric: str = "l2",
+                 block_size: int = 4096, warmup: int = 2):
+        if critical != "auto":
+            if isinstance(critical, bool) or not isinstance(critical, (int, float)) or not (
+                    0.0 <= float(critical) <= 1.0):
+                raise ValueError(f"osp: OSP(critical) must be a number in [0, 1] or 'auto', got {critical!r}")
+            critical = float(critical)
+        self.critical = critical
+        self.min_critical = check_share("OSP", "min_critical", min_critical)
+        if metric not in ops.METRICS:
+            raise ValueError(f"osp: OSP(metric) must be one of {sorted(ops.METRICS)}, got {metric!r}")
+        self.metric = metric
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or not 0 < block_size <= _MAX_BLOCK:
+            raise ValueError(f"osp: OSP(block_size) must be an integer in [1, 2**30], got {block_size!r}")
+        self.block_size = block_size
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+            raise ValueError(f"osp: OSP(warmup) must be a non-negative integer, got {warmup!r}")
+        self.warmup = warmup
+
+    def __repr__(self):
+        return (f"OSP(critical={self.critical!r}, min_critical={self.min_critical:g}, "
+                f"metric={self.metric!r}, block_size={self.block_size}, warmup={self.warmup})")
+
+    def build(self, ctx: Context) -> "OSPMode":
+        return OSPMode(self, ctx)
+
+
+@dataclass
+class _Split:
+    """One flat group's share of a step: its critical blocks (stage 1) and deferred ones (stage 2)."""
+    fg: FlatGroup
+    lo: int  # its first block in the score vector
+    mask: torch.Tensor  # its critical blocks
+    ncrit: int
+    crit: torch.Tensor  # packed critical gradient, averaged by stage 1
+    deferred: torch.Tensor  # packed deferred gradient (this rank's), averaged by stage 2
+    handle: Optional[Handle] = None  # stage 1 in flight
+
+
+@dataclass
+class _Deferred:
+    """Stage 2 of one flat group in flight, and what its exact update needs."""
+    snap: Snapshot
+    lo: int
+    handle: Handle
+
+
+class OSPMode(Mode):
+    options: OSP
+
+    def __init__(self, options: OSP, ctx: Context):
+        super().__init__(options, ctx)
+        self.budget = Budget(options.critical, options.min_critical, warmup=options.warmup)
+        self.corrector = corrector_for(ctx.optimizer)
+        dev = ctx.device
+        self.nblocks = ctx.nblocks
+        self._side = torch.zeros(len(sidechannel.FIELDS), dtype=torch.float32, device=dev)
+        self._side_own = torch.zeros_like(self._side)
+        self._mask = torch.ones(self.nblocks, dtype=torch.bool, device=dev)
+        self._checksum = sidechannel.MaskChecksum(self.nblocks, dev)
+        self._ws: Dict[int, Workspace] = {id(fg): Workspace(fg) for fg in ctx.groups}
+        self.scores: Optional[torch.Tensor] = None  # block scores of the last averaged gradient
+        self._pending: List[_Deferred] = []
+        self._steps = 0
+
+    @property
+    def in_flight(self):
+        return bool(self._pending)
+
+    # -- the split ------------------------------------------------------------------------------
+    def _select(self) -> List[int]:
+        """Fill ``self._mask`` with this step's critical blocks and return how many each flat group
+        has. The split comes from the block scores of the previous step's averaged gradient, which
+        every rank holds bitwise alike (no collective; the first step is fully critical). Each flat
+        group gets its own quota, so the counts are known on the host without a device sync."""
+        if self.scores is None:
+            self._mask.fill_(True)
+            return [fg.nblocks for fg in self.ctx.groups]
+        counts = [self.budget.count(fg.nblocks) for fg in self.ctx.groups]
+        lo = 0
+        for fg, k in zip(self.ctx.groups, counts):
+            self._mask[lo:lo + fg.nblocks] = select_critical(self.scores[lo:lo + fg.nblocks], k)
+            lo += fg.nblocks
+        return counts
+
+    def _set_scores(self, buf: torch.Tensor, fg: FlatGroup, mask: torch.Tensor, lo: int) -> None:
+        """Score the blocks packed in ``buf`` (those where ``mask`` is set) and store them in their
+        places of the score vector (a merge with one-element blocks: no device sync). With
+        ``relative``, |w| is read from the parameters as they are now, which must be bitwise equal on
+        every rank: call only where the replicas are."""
+        w = None
+        if self.options.metric == "relative":
+            w = torch.empty_like(buf)
+            ops.split_blocks(fg.param, mask, fg.block_size, w, None)
+        scores = ops.score_blocks(buf, fg.block_size, self.options.metric, param=w)[0]
+        ops.merge_blocks(scores, None, mask, 1, self.scores[lo:lo + fg.nblocks])
+
+    # -- the step -------------------------------------------------------------------------------
+    def step(self, compute_s):
+        ctx = self.ctx
+        for fg in ctx.groups:
+            fg.gather_grads()
+        wait_s = self._finish_deferred()
+        ctx.on_synced()
+        counts = self._select()
+        # the time stage 2 had to hide in: from its launch to this step's wait for it (the compute
+        # between steps plus the rest of the previous step); before any stage 2, the compute alone
+        window = self.budget.window if self.budget.window is not None else compute_s
+        sidechannel.encode(self._side, ctx.nonfinite(), self.budget.bw_sample, window, wait_s,
+                           self._checksum(self._mask))
+        self._side_own.copy_(self._side)
+        # stage 1: the side channel and the critical blocks, averaged before the update
+        t1 = time.perf_counter()
+        side_h = ctx.comm.allreduce_sum_async_(self._side, "osp.side")
+        splits, lo = [], 0
+        for gi, (fg, kc) in enumerate(zip(ctx.groups, counts)):
+            ws = self._ws[id(fg)]
+            s = _Split(fg=fg, lo=lo, mask=self._mask[lo:lo + fg.nblocks], ncrit=kc,
+                       crit=ws("crit", kc * fg.block_size),
+                       deferred=ws("deferred", (fg.nblocks - kc) * fg.block_size))
+            ops.split_blocks(fg.grad, s.mask, fg.block_size, s.crit, s.deferred)
+            s.handle = ctx.comm.allreduce_avg_async_(s.crit, f"osp.s1.{gi}")
+            splits.append(s)
+            lo += fg.nblocks
+        b1 = b2 = 0
+        for s in splits:
+            ctx.comm.wait(s.handle, ctx.timeout, "stage-1 allreduce")
+            b1 += s.crit.numel() * s.crit.element_size()
+        ctx.comm.wait(side_h, ctx.timeout, "stage-1 allreduce")
+        stage1 = time.perf_counter() - t1
+        self._steps += 1
+        side = sidechannel.decode(self._side, self._side_own, ctx.comm.size, self._steps)
+        rec = {"stage2_wait_s": wait_s, "stage1_s": stage1}
+        if side.nonfinite:
+            rec.update(critical_fraction=0.0, bytes_stage1=b1, bytes_stage2=0, skipped=True)
+            return rec
+        self.budget.update(ctx.nbytes, side.bandwidth, side.window, side.wait)
+        if self.scores is None:
+            self.scores = torch.zeros(self.nblocks, dtype=torch.float32, device=self._mask.device)
+        for s in splits:
+            ops.merge_blocks(s.crit, None, s.mask, s.fg.block_size, s.fg.grad)
+            self._set_scores(s.crit, s.fg, s.mask, s.lo)
+        # stage 2: deferred blocks, averaged in the background; snapshot what their exact update needs
+        for gi, s in enumerate(splits):
+            if s.deferred.numel() == 0:
+                continue
+            b2 += s.deferred.numel() * s.deferred.element_size()
+            group = ctx.optimizer.param_groups[s.fg.group_index]
+            snap = self.corrector.snapshot(s.fg, s.mask, s.deferred.numel(), hyper(group))
+            h = ctx.comm.allreduce_avg_async_(s.deferred, f"osp.s2.{gi}")
+            self._pending.append(_Deferred(snap=snap, lo=s.lo, handle=h))
+            self.budget.stage2_launched()
+        # LGP: the local update with the provisional gradient (averaged on critical blocks, this
+        # rank's own on deferred ones)
+        unhooked_step(ctx.optimizer)
+        self.corrector.adopt(ctx.groups)
+        self.budget.stage1_done(b1, stage1, ctx.nbytes)
+        rec.update(critical_fraction=b1 / max(ctx.nbytes, 1), bytes_stage1=b1, bytes_stage2=b2)
+        return rec
+
+    def _finish_deferred(self) -> float:
+        """Wait for the previous step's stage 2 and replace the provisional update of its deferred
+        blocks by the exact one. Afterwards every rank holds bitwise the same parameters and state."""
+        if not self._pending:
+            return 0.0
+        t0 = time.perf_counter()
+        self.budget.stage2_awaited()
+        for d in self._pending:
+            self.ctx.comm.wait(d.handle, self.ctx.timeout, "stage-2 allreduce")
+        wait = time.perf_counter() - t0
+        self.corrector.correct([(d.snap, d.handle.tensor) for d in self._pending])
+        # scored after the corrections: with "relative", |w| must be the exact (shared) parameters,
+        # not this rank's provisional ones, or ranks would pick different blocks next step
+        for d in self._pending:
+            self._set_scores(d.handle.tensor, d.snap.fg, ~d.snap.mask, d.lo)
+        self._pending = []
+        return wait
+
+    def flush(self):
+        self._finish_deferred()
+        self.ctx.on_synced()
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def state_dict(self):
+        # the next split is chosen from the scores: needed to resume bitwise
+        return {"budget": self.budget.state_dict(),
+                "scores": None if self.scores is None else self.scores.detach().cpu().clone()}
+
+    def load_state_dict(self, state):
+        if "budget" not in state:
+            return
+        self.budget.load_state_dict(state["budget"])
+        scores = state.get("scores")
+        if scores is not None and scores.numel() != self.nblocks:
+            raise ValueError(f"osp: the checkpoint's scores cover {scores.numel()} blocks, this "
+                             f"optimizer has {self.nblocks} (another model or block_size?)")
+        self.scores = None if scores is None else scores.to(self.ctx.device)
+
+    def after_load(self):
+        self.corrector.adopt(self.ctx.groups)

@@ -27,7 +27,8 @@ class OSP(Options):
         critical: share of blocks averaged in stage 1, in [0, 1], or ``"auto"``: defer as much as the
             measured bandwidth can move in the measured time stage 2 has before the next step waits
             for it (the next forward/backward and the rest of this step). ``1.0`` is BSP.
-        min_critical: floor on the critical share (the most important blocks always go first).
+        min_critical: floor on the critical share (the most important blocks always go first);
+            default 0.05 with ``"auto"``, none with a fixed share.
         metric: block importance, ``"l2"``, ``"l1"``, ``"max"`` or ``"relative"`` (|g| / |w|).
         block_size: elements per block.
         warmup: with ``"auto"``, steps run fully critical first to measure the network.
@@ -35,7 +36,7 @@ class OSP(Options):
 
     name = "osp"
 
-    def __init__(self, critical=0.25, min_critical: float = 0.05, metric: str = "l2",
+    def __init__(self, critical=0.25, min_critical: Optional[float] = None, metric: str = "l2",
                  block_size: int = 4096, warmup: int = 2):
         if critical != "auto":
             if isinstance(critical, bool) or not isinstance(critical, (int, float)) or not (
@@ -43,6 +44,8 @@ class OSP(Options):
                 raise ValueError(f"osp: OSP(critical) must be a number in [0, 1] or 'auto', got {critical!r}")
             critical = float(critical)
         self.critical = critical
+        if min_critical is None:  # a floor for "auto"; a fixed share is taken as given
+            min_critical = 0.05 if critical == "auto" else 0.0
         self.min_critical = check_share("OSP", "min_critical", min_critical)
         if metric not in ops.METRICS:
             raise ValueError(f"osp: OSP(metric) must be one of {sorted(ops.METRICS)}, got {metric!r}")
@@ -109,11 +112,13 @@ class OSPMode(Mode):
         """Fill ``self._mask`` with this step's critical blocks and return how many each flat group
         has. The split comes from the block scores of the previous step's averaged gradient, which
         every rank holds bitwise alike (no collective; the first step is fully critical). Each flat
-        group gets its own quota, so the counts are known on the host without a device sync."""
-        if self.scores is None:
-            self._mask.fill_(True)
-            return [fg.nblocks for fg in self.ctx.groups]
+        group gets its own quota, so the counts are known on the host without a device sync. With
+        ``critical=0.0`` every step, the first too, defers everything (``DSync(delay=1)``)."""
         counts = [self.budget.count(fg.nblocks) for fg in self.ctx.groups]
+        if self.scores is None:  # nothing to rank by yet: all critical, unless none is to be
+            defer_all = not any(counts)
+            self._mask.fill_(not defer_all)
+            return counts if defer_all else [fg.nblocks for fg in self.ctx.groups]
         lo = 0
         for fg, k in zip(self.ctx.groups, counts):
             self._mask[lo:lo + fg.nblocks] = select_critical(self.scores[lo:lo + fg.nblocks], k)

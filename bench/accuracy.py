@@ -1,7 +1,8 @@
-"""Accuracy on scikit-learn's digits: BSP against OSP (fixed 0.25 and auto), mean of several seeds,
-same epochs, 2 ranks under horovodrun. Prints a markdown table; writes bench/out/accuracy.json.
+"""Accuracy on scikit-learn's digits: BSP against OSP (fixed 0.25 and auto) and DSync (delay 1 to 4),
+mean of several seeds, same epochs, 2 ranks under horovodrun. Prints a markdown table; writes
+bench/out/accuracy.json.
 
-    python bench/accuracy.py [--seeds 0,1,2] [--epochs 15] [--ranks 2]
+    python bench/accuracy.py [--seeds 0,1,2] [--epochs 15] [--ranks 2] [--modes bsp,dsync]
 """
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import subprocess
 import sys
 import tempfile
 
-MODES = [("bsp", []), ("osp 0.25", ["--critical", "0.25"]), ("osp auto", ["--critical", "auto"])]
+MODES = [("bsp", []), ("osp 0.25", ["--critical", "0.25"]), ("osp auto", ["--critical", "auto"])] + [
+    (f"dsync {d}", ["--delay", str(d)]) for d in (1, 2, 3, 4)]
 
 
 def run(mode_args, sync, seed, epochs, ranks, out):
@@ -33,12 +35,16 @@ def main(argv=None):
     ap.add_argument("--epochs", type=int, default=15)
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--json", default="bench/out/accuracy.json")
+    ap.add_argument("--modes", default="bsp,osp,dsync", help="which families to run (bsp always runs)")
     a = ap.parse_args(argv)
+    families = set(a.modes.split(",")) | {"bsp"}
     seeds = [int(s) for s in a.seeds.split(",")]
     res = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, extra in MODES:
             sync = name.split()[0]
+            if sync not in families:
+                continue
             for seed in seeds:
                 r = run(extra, sync, seed, a.epochs, a.ranks, os.path.join(tmp, f"{sync}-{seed}.json"))
                 res.setdefault(name, []).append(r)

@@ -99,9 +99,12 @@ def make_optimizer(args, model, comm, backend):
         inner = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=args.weight_decay)
     else:
         inner = torch.optim.Adam(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    if args.sync in ("bsp", "osp"):
+    if args.sync in ("bsp", "osp", "dsync"):
         if args.sync == "bsp":
             sync = osp.BSP()
+        elif args.sync == "dsync":
+            delay = args.delay if args.delay == "auto" else int(args.delay)
+            sync = osp.DSync(delay=delay, max_delay=max(args.max_delay, 1 if delay == "auto" else delay))
         else:
             crit = args.critical if args.critical == "auto" else float(args.critical)
             sync = osp.OSP(critical=crit, min_critical=args.min_critical, block_size=args.block_size,
@@ -130,9 +133,11 @@ def evaluate(model, x, y):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sync", choices=["bsp", "osp", "hvd", "ddp"], default="osp")
+    ap.add_argument("--sync", choices=["bsp", "osp", "dsync", "hvd", "ddp"], default="osp")
     ap.add_argument("--critical", default="0.25", help="OSP critical share in [0,1] or 'auto'")
     ap.add_argument("--min-critical", type=float, default=0.05)
+    ap.add_argument("--delay", default="2", help="DSync delay: an integer >= 1 or 'auto'")
+    ap.add_argument("--max-delay", type=int, default=4, help="DSync: the largest delay 'auto' may choose")
     ap.add_argument("--block-size", type=int, default=512)
     ap.add_argument("--metric", default="l2")
     ap.add_argument("--epochs", type=int, default=15)
@@ -154,6 +159,8 @@ def main(argv=None):
             float(args.critical)
         except ValueError:
             ap.error(f"--critical must be a number in [0, 1] or 'auto', got {args.critical!r}")
+    if args.delay != "auto" and not args.delay.isdigit():
+        ap.error(f"--delay must be an integer >= 1 or 'auto', got {args.delay!r}")
 
     torch.set_num_threads(args.threads)
     backend = detect_backend() if args.backend == "auto" else args.backend
@@ -169,7 +176,7 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     model = DigitsCNN(args.width).to(dev)
     osp.broadcast_parameters(model.state_dict(), root_rank=0, backend=comm)
-    model, opt = make_optimizer(args, model, comm, comm if args.sync in ("bsp", "osp") else backend)
+    model, opt = make_optimizer(args, model, comm, comm if args.sync in ("bsp", "osp", "dsync") else backend)
     nparams = sum(p.numel() for p in model.parameters())
 
     steps = len(y_train) // (args.batch_size * size)
@@ -209,6 +216,8 @@ def main(argv=None):
     if isinstance(opt, osp.DistributedOptimizer):
         st = opt.stats()
         result["osp_stats"] = {"mean": st["mean"], "skipped_steps": st["skipped_steps"]}
+        if "delay" in st:
+            result["osp_stats"]["delay"] = st["delay"]
     if rank == 0 and args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as fh:

@@ -1,7 +1,8 @@
 """Rank program for the optimizer tests: real ranks, real collectives, results as JSON per rank.
 
 Usage: opt_worker.py SCENARIO BACKEND OUTDIR
-Scenarios: invariants, configs, badinput, mismatch, peer_dies, peer_stalls, horovod_match.
+Scenarios: invariants, configs, badinput, mismatch, peer_dies, peer_stalls, horovod_match,
+dsync:DELAY, dsync_badinput.
 """
 import copy
 import hashlib
@@ -263,6 +264,114 @@ def configs():
         check_resume(f"I4/{cname}", fresh, step_on, continues=kw["critical"] != "auto")
 
 
+DSYNC_OPTIMIZERS = ("sgd_momentum_wd_nesterov", "adam", "adamw", "rmsprop")
+
+
+def dsync(delay):
+    """DSync(delay): I1 where the exact updates land and after flush(), I3 against torch.optim replaying
+    the averaged recorded gradients (under an LR schedule), I4 resume; DSync(1) is OSP(critical=0)."""
+    delay = int(delay)
+    for oname in DSYNC_OPTIMIZERS:
+        make_opt = OPTIMIZERS[oname]
+        model = make_model()
+        digests, grads = [], []
+        opt = osp.DistributedOptimizer(
+            make_opt(model.parameters()), model.named_parameters(), sync=osp.DSync(delay=delay),
+            backend=backend, on_synced=lambda o, d=digests, m=model: d.append(comm.allgather_object(digest(m, o))))
+        sched = scheduler(opt)
+        for step in range(STEPS):
+            train_step(model, opt, step, record=grads)
+            sched.step()
+        opt.flush()
+        # exact updates land at steps delay..STEPS-1, the rest in flush()
+        check(f"I1/{oname}", len(digests) == STEPS - delay + 1 and all(len(set(d)) == 1 for d in digests),
+              f"{len(digests)} sync points, {sum(len(set(d)) > 1 for d in digests)} differ")
+        st = opt.stats()
+        check(f"stats/{oname}", st["delay"] == delay and st["steps"] == STEPS and (
+            delay == 1 or sum(h["replayed"] for h in st["history"]) == (STEPS - delay) * (delay - 1)),
+            st["history"])
+        all_grads = comm.allgather_object(grads)
+        replay = make_model()
+        ropt = make_opt(replay.parameters())
+        rsched = scheduler(ropt)
+        for step in range(STEPS):
+            for i, p in enumerate(replay.parameters()):
+                p.grad = torch.stack([all_grads[r][step][i] for r in range(size)]).mean(0)
+            ropt.step()
+            rsched.step()
+        a, b = flat_params(model), flat_params(replay)
+        check(f"I3/{oname}", torch.allclose(a, b, rtol=1e-5, atol=1e-6),
+              f"max abs diff {float((a - b).abs().max()):.3g}")
+
+        def fresh(seed=0, make_opt=make_opt):
+            m = make_model(seed)
+            return m, osp.DistributedOptimizer(make_opt(m.parameters()), m.named_parameters(),
+                                               sync=osp.DSync(delay=delay), backend=backend)
+
+        check_resume(f"I4/{oname}", fresh, train_step)
+
+        if delay == 1:  # the same algorithm as OSP deferring every block
+            m1, m2 = make_model(), make_model()
+            o1 = osp.DistributedOptimizer(make_opt(m1.parameters()), m1.named_parameters(),
+                                          sync=osp.DSync(delay=1), backend=backend)
+            o2 = osp.DistributedOptimizer(make_opt(m2.parameters()), m2.named_parameters(),
+                                          sync=osp.OSP(critical=0.0, block_size=BS), backend=backend)
+            for step in range(STEPS):
+                train_step(m1, o1, step)
+                train_step(m2, o2, step)
+            o1.flush()
+            o2.flush()
+            a, b = flat_params(m1), flat_params(m2)
+            if size == 2:  # 2 ranks: the sum's order cannot differ, whatever the buffer boundaries
+                check(f"dsync1_is_osp0/{oname}", digest(m1, o1) == digest(m2, o2),
+                      f"max abs diff {float((a - b).abs().max()):.3g}")
+            else:
+                check(f"dsync1_is_osp0/{oname}", torch.allclose(a, b, rtol=1e-5, atol=1e-6),
+                      f"max abs diff {float((a - b).abs().max()):.3g}")
+
+
+def dsync_badinput():
+    """Bad DSync options: a ValueError naming what was expected and what was got, on every rank."""
+    for name, kw, pattern in [
+            ("zero", dict(delay=0), r"DSync\(delay\) must be an integer >= 1 or 'auto', got 0"),
+            ("negative", dict(delay=-2), r"got -2"),
+            ("float", dict(delay=1.5), r"got 1.5"),
+            ("bool", dict(delay=True), r"got True"),
+            ("string", dict(delay="fast"), r"got 'fast'"),
+            ("max_below", dict(delay=3, max_delay=2), r"DSync\(max_delay\) must be >= delay=3, got 2")]:
+        expect_error(f"dsync_bad/{name}", ValueError, pattern, lambda kw=kw: osp.DSync(**kw))
+    model = make_model()
+    expect_error("dsync_bad/ranks_disagree", ValueError, "disagree on the options", lambda: osp.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+        sync=osp.DSync(delay=2 if rank == 0 else 3), backend=backend))
+    # non-finite gradient on one rank: that step is skipped on every rank when its average lands
+    model = make_model()
+    opt = osp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   model.named_parameters(), sync=osp.DSync(delay=2), backend=backend)
+    train_step(model, opt, 0)
+    opt.flush()
+    before = flat_params(model).clone()
+    x, y = batch(1)
+    opt.zero_grad()
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    if rank == size - 1:
+        loss = loss * float("inf")
+    loss.backward()
+    opt.step()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        opt.flush()
+    check("dsync_nonfinite_skipped", torch.equal(flat_params(model), before)
+          and opt.stats()["skipped_steps"] == 1 and any("skipped" in str(x.message) for x in w),
+          opt.stats()["skipped_steps"])
+    for step in range(2, 6):
+        train_step(model, opt, step)
+    opt.flush()
+    check("dsync_nonfinite_recovers", bool(torch.isfinite(flat_params(model)).all())
+          and not torch.equal(flat_params(model), before)
+          and len(set(comm.allgather_object(digest(model, opt)))) == 1)
+
+
 def expect_error(name, exc_type, pattern, fn):
     try:
         fn()
@@ -418,7 +527,7 @@ def horovod_match():
 
 SCENARIOS = {"invariants": invariants, "configs": configs, "badinput": badinput, "mismatch": mismatch,
              "peer_dies": lambda: peer_fails(stall=False), "peer_stalls": lambda: peer_fails(stall=True),
-             "horovod_match": horovod_match}
+             "horovod_match": horovod_match, "dsync": dsync, "dsync_badinput": dsync_badinput}
 try:
     name, _, arg = scenario.partition(":")  # e.g. dsync:2
     SCENARIOS[name](*([arg] if arg else []))

@@ -1,6 +1,7 @@
 """Synchronization modes, one module each; ``base`` holds the interface they share."""
 from .base import Context, Mode, Options
 from .bsp import BSP
+from .dsync import DSync
 from .osp import OSP
 
-__all__ = ["Context", "Mode", "Options", "BSP", "OSP"]
+__all__ = ["Context", "Mode", "Options", "BSP", "OSP", "DSync"]

@@ -1,0 +1,237 @@
+"""DSync(delay=k): delayed synchronization with exact correction (DESIGN.md, "DSync").
+
+Step t starts averaging its whole gradient during backward (bucketed from the hooks, as BSP does) and
+moves the parameters with this rank's own gradient. Before the update of step t+k the average of step
+t is applied exactly: restore the snapshot taken before step t, apply the optimizer's update with the
+average, then replay the provisional updates of steps t+1 .. t+k-1 with their kept local gradients.
+The applied updates are exactly the averaged ones; gradients are evaluated up to k provisional steps
+away from that trajectory. ``DSync(delay=1)`` is ``OSP(critical=0.0)``.
+"""
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass
+from typing import Deque, Dict, List, Optional
+
+import torch
+
+from ..buckets import Buckets
+from ..comm import Handle
+from ..correction import Snapshot, corrector_for, hyper, unhooked_step
+from ..layout import Workspace
+from .base import Context, Mode, Options, check_int
+
+
+class DSync(Options):
+    """Delayed synchronization: the average of each step's whole gradient is applied ``delay`` steps
+    later, exactly (the provisional local updates in between are replaced and replayed).
+
+    Args:
+        delay: steps an average may take, an integer >= 1, or ``"auto"``: the smallest delay under
+            which the averages of the last ``window`` steps arrived before they were needed (each rank
+            measures its own; replicas agree whatever delay each uses), at most ``max_delay``.
+        max_delay: the largest delay ``"auto"`` may choose.
+        bucket_mb: the averages start during backward in buckets of about this many MiB.
+        window: with ``"auto"``, the steps it looks back on.
+
+    Memory, in flat gradients of the model's size: ``delay + 1`` averages in flight and ``delay`` kept
+    local gradients (none for ``delay=1``); ``max_delay`` for both with ``"auto"``; plus one snapshot of
+    the parameters and the optimizer state.
+    """
+
+    name = "dsync"
+    block_size = None  # the whole gradient moves every step: no blocks
+
+    def __init__(self, delay=2, max_delay: int = 4, bucket_mb: float = 25.0, window: int = 16):
+        if isinstance(delay, str):
+            if delay != "auto":
+                raise ValueError(f"osp: DSync(delay) must be an integer >= 1 or 'auto', got {delay!r}")
+        elif isinstance(delay, bool) or not isinstance(delay, int) or delay < 1:
+            raise ValueError(f"osp: DSync(delay) must be an integer >= 1 or 'auto', got {delay!r}")
+        check_int("DSync", "max_delay", max_delay, 1)
+        if delay != "auto" and max_delay < delay:
+            raise ValueError(f"osp: DSync(max_delay) must be >= delay={delay}, got {max_delay!r}")
+        if isinstance(bucket_mb, bool) or not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
+            raise ValueError(f"osp: DSync(bucket_mb) must be a positive number, got {bucket_mb!r}")
+        self.delay, self.max_delay, self.bucket_mb = delay, max_delay, float(bucket_mb)
+        self.window = check_int("DSync", "window", window, 1)
+
+    def __repr__(self):
+        return (f"DSync(delay={self.delay!r}, max_delay={self.max_delay}, bucket_mb={self.bucket_mb:g}, "
+                f"window={self.window})")
+
+    def build(self, ctx: Context) -> "DSyncMode":
+        return DSyncMode(self, ctx)
+
+
+@dataclass
+class _Step:
+    """A step whose average is in flight."""
+    index: int
+    slot: int  # its buffer avg{slot}, being averaged (the name of its collectives too)
+    local: int  # its buffer local{local}: this rank's gradient, for replays
+    handles: List[Handle]
+    hyper: List[dict]  # every param group's hyper-parameters of that step, by value
+    finite: bool  # this rank's gradient was finite (else its provisional update was skipped here)
+    arrived: Optional[int] = None  # steps after its own that its average was seen complete
+
+
+class DSyncMode(Mode):
+    options: DSync
+
+    def __init__(self, options: DSync, ctx: Context):
+        super().__init__(options, ctx)
+        self.delay = 1 if options.delay == "auto" else options.delay
+        longest = options.max_delay if options.delay == "auto" else options.delay
+        self.slots = longest + 1  # averages in flight at most (during a backward)
+        self.kept = longest if longest > 1 else 0  # local gradients kept for replays
+        self.corrector = corrector_for(ctx.optimizer)
+        self.buckets = Buckets(ctx.groups, options.bucket_mb, ctx.comm, ctx.passes_per_step, "osp.ds")
+        self._ws: Dict[int, Workspace] = {id(fg): Workspace(fg) for fg in ctx.groups}
+        self._inflight: Deque[_Step] = collections.deque()
+        self._snap: Optional[List[Snapshot]] = None  # the exact state before the oldest step in flight
+        self._count: List[float] = []  # the update number of that state (Adam's bias correction)
+        self._ages: Deque[int] = collections.deque(maxlen=options.window)
+        # the snapshot covers every block (none is critical)
+        self._none = [torch.zeros(fg.nblocks, dtype=torch.bool, device=fg.device) for fg in ctx.groups]
+        self.t = 0
+        self._arm()
+
+    # -- buffers ------------------------------------------------------------------------------
+    def _buf(self, fg, kind: str, slot: int) -> torch.Tensor:
+        return self._ws[id(fg)](f"{kind}{slot}")
+
+    def _arm(self) -> None:
+        """Point the buckets of the coming backward at its slot."""
+        slot = self.t % self.slots
+        self.buckets.reset(dest=lambda fg, slot=slot: self._buf(fg, "avg", slot), tag=f".{slot}")
+
+    def on_grad(self, p):
+        self.buckets.on_grad(p)
+
+    @property
+    def in_flight(self):
+        return bool(self._inflight)
+
+    def ready_for_zero_grad(self):
+        if self.buckets.in_flight:
+            raise RuntimeError("osp: zero_grad() after this step's backward already started averaging "
+                               "its gradient: call step() first")
+
+    # -- the step -------------------------------------------------------------------------------
+    def step(self, compute_s):
+        ctx = self.ctx
+        handles = list(self.buckets.launch(force=True))  # a bucket without gradients averages zeros
+        finite = not ctx.any_nonfinite()
+        self._observe()
+        if self.options.delay == "auto":
+            self.delay = self._auto_delay()
+        due = [s for s in self._inflight if self.t - s.index >= self.delay]
+        rec = {"critical_fraction": 0.0, "bytes_stage1": 0, "bytes_stage2": ctx.nbytes, "stage1_s": 0.0,
+               "delay": self.delay}
+        t0 = time.perf_counter()
+        for s in due:
+            for h in s.handles:
+                ctx.comm.wait(h, ctx.timeout, "delayed gradient allreduce")
+            if s.arrived is None:  # it had to be waited for: a longer delay would have hidden it
+                self._ages.append(self.t - s.index + (1 if time.perf_counter() - t0 > 1e-4 else 0))
+        rec["stage2_wait_s"] = time.perf_counter() - t0
+        rec["skipped"] = self._apply(due) if due else 0
+        t1 = time.perf_counter()
+        replayed = self._replay() if due else 0
+        rec["replay_s"] = time.perf_counter() - t1
+        rec["replayed"] = replayed
+        if self._snap is None:  # nothing in flight: the state is exact
+            self._take_snapshot(fresh=True)
+        self.corrector.set_step_count(ctx.groups, [c + replayed for c in self._count]
+                                      if due else None)
+        # the provisional update with this rank's own gradient
+        if finite:
+            unhooked_step(ctx.optimizer)
+            self.corrector.adopt(ctx.groups)
+        local = self.t % self.kept if self.kept else -1
+        if self.kept:  # the slot's previous step has landed: it was due by now
+            for fg in ctx.groups:
+                self._buf(fg, "local", local).copy_(fg.grad)
+        self._inflight.append(_Step(index=self.t, slot=self.t % self.slots, local=local, handles=handles,
+                                    finite=finite,
+                                    hyper=[hyper(g) for g in ctx.optimizer.param_groups]))
+        self.t += 1
+        self._arm()
+        return rec
+
+    def _observe(self) -> None:
+        """Note, for ``auto``, how many steps each average took (polled at step boundaries)."""
+        for s in self._inflight:
+            if s.arrived is None and all(self.ctx.comm.poll(h) for h in s.handles):
+                s.arrived = self.t - s.index
+                self._ages.append(s.arrived)
+
+    def _auto_delay(self) -> int:
+        return max(1, min(self.options.max_delay, max(self._ages, default=1)))
+
+    def _take_snapshot(self, fresh: bool) -> None:
+        ctx = self.ctx
+        self._snap = [self.corrector.snapshot(fg, m, fg.padded, {}) for fg, m in zip(ctx.groups, self._none)]
+        if fresh:
+            self._count = [self.corrector.step_count(fg) for fg in ctx.groups]
+
+    def _apply(self, due: List[_Step]) -> int:
+        """Restore the snapshot and apply the exact updates of ``due`` (oldest first); a step whose
+        average is not finite is skipped on every rank. Returns how many were skipped."""
+        ctx, skipped, exact = self.ctx, 0, False
+        for s in due:
+            self._inflight.popleft()
+            avgs = [self._buf(fg, "avg", s.slot) for fg in ctx.groups]
+            if ctx.any_nonfinite(avgs):
+                skipped += 1
+                continue
+            if exact:  # the previous exact update moved the state: snapshot it again
+                self._take_snapshot(fresh=False)
+            for i, (snap, fg) in enumerate(zip(self._snap, ctx.groups)):
+                snap.hyper = s.hyper[fg.group_index]
+                snap.step = self._count[i] + 1
+            self.corrector.correct(list(zip(self._snap, avgs)))
+            self._count = [c + 1 for c in self._count]
+            exact = True
+        if not exact:
+            self.corrector.restore(self._snap)
+        self._take_snapshot(fresh=False)
+        if self.options.delay != "auto":  # every rank is at this point of the same step
+            ctx.on_synced()
+        return skipped
+
+    def _replay(self) -> int:
+        """Replay the provisional updates of the steps still in flight with their kept gradients."""
+        n = 0
+        for s in self._inflight:
+            if not s.finite:
+                continue
+            items = [(fg, self._buf(fg, "local", s.local)) for fg in self.ctx.groups]
+            self.corrector.replay(items, s.hyper, [c + n + 1 for c in self._count])
+            n += 1
+        return n
+
+    def flush(self):
+        skipped = 0
+        if self._inflight:
+            due = list(self._inflight)
+            for s in due:
+                for h in s.handles:
+                    self.ctx.comm.wait(h, self.ctx.timeout, "delayed gradient allreduce")
+            skipped = self._apply(due)
+            self._snap = None
+            if self.options.delay == "auto":
+                self.ctx.on_synced()
+        else:
+            self.ctx.on_synced()
+        return skipped
+
+    def after_load(self):
+        self.corrector.adopt(self.ctx.groups)
+        self._snap = None
+
+    def stats(self):
+        kept = sum(ws.nbytes() for ws in self._ws.values()) + self.corrector.nbytes()
+        return {"delay": self.delay, "kept_bytes": kept}

@@ -5,6 +5,7 @@ PY := $(VENV)/bin/python
 NVCC ?= $(shell command -v nvcc 2>/dev/null || ( [ -x /usr/local/cuda/bin/nvcc ] && echo /usr/local/cuda/bin/nvcc ))
 CUDA_ARCHS := -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90
 CUDA_SRCS := $(wildcard csrc/cuda/*.cu)
+CUDA_CPP_SRCS := $(wildcard csrc/cuda/*.cpp)
 PYTEST_ARGS ?=
 
 .PHONY: install test test-only lint cuda-check bench-kernels bench-accuracy demo bench stress-exit clean
@@ -28,15 +29,26 @@ stress-exit: install
 lint:
 	$(VENV)/bin/ruff check python tests bench
 
-# Compile-check every CUDA file for sm_80 and sm_90 (works without a GPU).
-cuda-check:
+# Compile-check every CUDA file for sm_80 and sm_90, and the CUDA op registration against torch's
+# headers (works without a GPU and with a CPU-only torch: the one header a CPU build does not
+# generate, c10's cuda_cmake_macros.h, is stubbed).
+CUDA_RUNTIME_H = $(firstword $(wildcard $(CUDA_HOME)/include/cuda_runtime_api.h \
+  /usr/local/cuda/include/cuda_runtime_api.h $(patsubst %/bin/nvcc,%,$(realpath $(NVCC)))/include/cuda_runtime_api.h))
+cuda-check: install
 	@test -n "$(NVCC)" || { echo "cuda-check: nvcc not found (set NVCC=...)"; exit 1; }
-	@mkdir -p build/cuda-check
+	@test -n "$(CUDA_RUNTIME_H)" || { echo "cuda-check: CUDA headers not found (set CUDA_HOME=...)"; exit 1; }
+	@mkdir -p build/cuda-check/stub/c10/cuda/impl
 	@for f in $(CUDA_SRCS); do \
 	  echo "nvcc $$f"; \
 	  $(NVCC) -std=c++17 -O3 $(CUDA_ARCHS) -c $$f -o build/cuda-check/$$(basename $$f).o || exit 1; \
 	done
-	@echo "cuda-check: $(words $(CUDA_SRCS)) files compiled for sm_80 and sm_90"
+	@printf '#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n' > build/cuda-check/stub/c10/cuda/impl/cuda_cmake_macros.h
+	@T=$$($(PY) -c "import torch.utils.cpp_extension as c; print(' '.join('-I' + p for p in c.include_paths()))"); \
+	for f in $(CUDA_CPP_SRCS); do \
+	  echo "c++ -fsyntax-only $$f"; \
+	  $(CXX) -std=c++17 -fsyntax-only -Wno-c++20-extensions -Ibuild/cuda-check/stub $$T -I$(dir $(CUDA_RUNTIME_H)) $$f || exit 1; \
+	done
+	@echo "cuda-check: $(words $(CUDA_SRCS)) CUDA files compiled for sm_80 and sm_90, $(words $(CUDA_CPP_SRCS)) registration file(s) checked"
 
 bench-kernels: install
 	$(PY) bench/kernels.py

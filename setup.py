@@ -31,8 +31,7 @@ def extension():
         nvcc = ["-O3", "-std=c++17", "-lineinfo"]
         return CUDAExtension(
             "osp._C",
-            sources + sorted(glob.glob("csrc/cuda/*.cu")),
-            define_macros=[("WITH_CUDA", None)],
+            sources + sorted(glob.glob("csrc/cuda/*.cpp")) + sorted(glob.glob("csrc/cuda/*.cu")),
             extra_compile_args={"cxx": cxx, "nvcc": nvcc},
             extra_link_args=["-fopenmp"],
         )

@@ -50,10 +50,19 @@ def _metric_id(metric: str) -> int:
     return METRICS[metric]
 
 
+# the CUDA implementations register themselves only in a build with CUDA
+_CUDA_BUILT = HAS_EXTENSION and torch._C._dispatch_has_kernel_for_dispatch_key("osp::score_blocks", "CUDA")
+
+
 def _check_dense(t: Optional[torch.Tensor], name: str) -> None:
-    # The dispatcher's own message for a sparse tensor names no argument; say what is wrong.
-    if t is not None and t.layout != torch.strided:
+    # The dispatcher's own messages (a sparse tensor, a device without a kernel) name no argument.
+    if t is None:
+        return
+    if t.layout != torch.strided:
         raise RuntimeError(f"osp: {name} must be a dense tensor, got layout {t.layout}")
+    if t.is_cuda and HAS_EXTENSION and not _CUDA_BUILT:
+        raise RuntimeError(f"osp: {name} is on {t.device} but osp._C was built without CUDA (rebuild with "
+                           "FORCE_CUDA=1 and nvcc on PATH)")
 
 
 def _check_block_size(block_size) -> None:

@@ -1,0 +1,165 @@
+// Input checks shared by the CPU and CUDA registrations: each names what was expected and what was
+// got. Header-only, so each device's registration file compiles them in.
+#pragma once
+#include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
+
+#include <sstream>
+#include <string>
+#include <utility>
+
+#include "ops.h"
+
+namespace osp {
+namespace checks {
+
+inline DType to_dtype(const at::Tensor& t, const char* name) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DType::F32;
+    case at::kHalf: return DType::F16;
+    case at::kBFloat16: return DType::BF16;
+    default:
+      TORCH_CHECK(false, "osp: ", name, " must be float32, float16 or bfloat16, got ",
+                  t.scalar_type());
+  }
+}
+
+inline void check_dense(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.layout() == at::kStrided, "osp: ", name, " must be a dense tensor, got layout ",
+              t.layout());
+  TORCH_CHECK(t.is_contiguous(), "osp: ", name, " must be contiguous, got strides ", t.strides(),
+              " for sizes ", t.sizes());
+}
+
+// `other` must match `ref` in dtype and device (and numel when numel >= 0).
+inline void check_like(const at::Tensor& other, const char* oname, const at::Tensor& ref,
+                       const char* rname, int64_t numel) {
+  check_dense(other, oname);
+  TORCH_CHECK(other.device() == ref.device(), "osp: ", oname, " must be on ", ref.device(),
+              " like ", rname, ", got ", other.device());
+  TORCH_CHECK(other.scalar_type() == ref.scalar_type(), "osp: ", oname, " must be ",
+              ref.scalar_type(), " like ", rname, ", got ", other.scalar_type());
+  TORCH_CHECK(numel < 0 || other.numel() == numel, "osp: ", oname, " must have ", numel,
+              " elements, got ", other.numel());
+}
+
+// An output must not share memory with an input: the kernels read and write in parallel.
+inline void check_no_overlap(const at::Tensor& out, const char* oname, const at::Tensor& in,
+                             const char* iname) {
+  TORCH_CHECK(at::get_overlap_status(out, in) == at::MemOverlapStatus::No, "osp: ", oname,
+              " must not overlap ", iname, " (they share memory); pass a separate buffer");
+}
+
+inline void check_block_size(int64_t bs) {
+  TORCH_CHECK(bs > 0, "osp: block_size must be a positive integer, got ", bs);
+}
+
+// score_blocks: the gradient's dtype and the flat parameter (for 'relative'), or nullptr.
+inline std::pair<DType, const void*> check_score(const at::Tensor& grad,
+                                                 const c10::optional<at::Tensor>& param, int64_t bs,
+                                                 int64_t metric) {
+  check_dense(grad, "grad");
+  const DType dt = to_dtype(grad, "grad");
+  check_block_size(bs);
+  TORCH_CHECK(metric >= 0 && metric <= 3,
+              "osp: metric must be 0 (l2), 1 (l1), 2 (max) or 3 (relative), got ", metric);
+  if (static_cast<Metric>(metric) != Metric::Relative) return {dt, nullptr};
+  TORCH_CHECK(param.has_value(), "osp: metric 'relative' needs the flat parameter, got None");
+  check_like(*param, "param", grad, "grad", grad.numel());
+  return {dt, param->data_ptr()};
+}
+
+// block_ids: int64, 1-D, on the flat tensor's device, at most one per block. Their values are
+// checked per device (validate_ids); returns the number of blocks.
+inline int64_t check_ids_shape(const at::Tensor& ids, const at::Tensor& flat, int64_t bs) {
+  check_dense(ids, "block_ids");
+  TORCH_CHECK(ids.scalar_type() == at::kLong, "osp: block_ids must be int64, got ", ids.scalar_type());
+  TORCH_CHECK(ids.dim() == 1, "osp: block_ids must be 1-D, got ", ids.dim(), "-D");
+  TORCH_CHECK(ids.device() == flat.device(), "osp: block_ids must be on ", flat.device(),
+              " like the flat tensor, got ", ids.device());
+  const int64_t nb = num_blocks(flat.numel(), bs);
+  TORCH_CHECK(ids.numel() <= nb, "osp: block_ids has ", ids.numel(), " entries but the flat tensor has only ",
+              nb, " blocks of ", bs);
+  return nb;
+}
+
+// The packed length of nids whole blocks, one of them the short last block when has_last.
+inline int64_t packed_length(int64_t nids, int64_t nb, int64_t bs, int64_t n, bool has_last) {
+  return nids * bs - (has_last ? nb * bs - n : 0);
+}
+
+inline at::Tensor as_mask(const at::Tensor& mask, const at::Tensor& flat, int64_t bs) {
+  check_dense(mask, "mask");
+  TORCH_CHECK(mask.scalar_type() == at::kBool || mask.scalar_type() == at::kByte,
+              "osp: mask must be bool or uint8, got ", mask.scalar_type());
+  const int64_t nb = num_blocks(flat.numel(), bs);
+  TORCH_CHECK(mask.numel() == nb, "osp: mask must have one entry per block (", nb, "), got ",
+              mask.numel());
+  TORCH_CHECK(mask.device() == flat.device(), "osp: mask must be on ", flat.device(), ", got ",
+              mask.device());
+  // any nonzero byte selects its block: normalise to 0/1, which the offsets (prefix sums) count
+  return mask.scalar_type() == at::kBool ? mask.view(at::kByte) : mask.ne(0).view(at::kByte);
+}
+
+// split/merge: the flat tensor, mask (as 0/1 bytes) and the two packed buffers. `lens` are their
+// expected lengths, or -1 where the caller takes the buffers' own lengths as given.
+inline at::Tensor check_split(const at::Tensor& flat, const at::Tensor& mask, int64_t bs,
+                              const c10::optional<at::Tensor>& crit, const c10::optional<at::Tensor>& def,
+                              bool into_flat, std::pair<int64_t, int64_t> (*lengths)(const at::Tensor&,
+                                                                                     int64_t, int64_t)) {
+  check_dense(flat, "flat");
+  to_dtype(flat, "flat");
+  check_block_size(bs);
+  auto m8 = as_mask(mask, flat, bs);
+  const auto lens = lengths(m8, flat.numel(), bs);
+  if (crit) {
+    check_like(*crit, "critical", flat, "flat", lens.first);
+    if (into_flat) check_no_overlap(flat, "flat", *crit, "critical");
+    else check_no_overlap(*crit, "critical", flat, "flat");
+  }
+  if (def) {
+    check_like(*def, "deferred", flat, "flat", lens.second);
+    if (into_flat) check_no_overlap(flat, "flat", *def, "deferred");
+    else check_no_overlap(*def, "deferred", flat, "flat");
+  }
+  if (!into_flat && crit && def) check_no_overlap(*crit, "critical", *def, "deferred");
+  return m8;
+}
+
+inline void* data_or_null(const c10::optional<at::Tensor>& t) {
+  return t && t->numel() ? t->data_ptr() : nullptr;
+}
+
+// sgd_step_: the momentum buffer's pointer, or nullptr without momentum.
+inline void* check_sgd(const at::Tensor& param, const at::Tensor& grad,
+                       const c10::optional<at::Tensor>& momentum_buffer, double momentum) {
+  check_dense(param, "param");
+  to_dtype(param, "param");
+  check_like(grad, "grad", param, "param", param.numel());
+  TORCH_CHECK(momentum == 0.0 || momentum_buffer.has_value(),
+              "osp: sgd_step with momentum ", momentum, " needs a momentum_buffer, got None");
+  if (momentum == 0.0) return nullptr;
+  check_like(*momentum_buffer, "momentum_buffer", param, "param", param.numel());
+  return momentum_buffer->data_ptr();
+}
+
+// adam_step_: the max_exp_avg_sq pointer, or nullptr without amsgrad.
+inline void* check_adam(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                        const at::Tensor& exp_avg_sq, const c10::optional<at::Tensor>& max_exp_avg_sq,
+                        double step, bool amsgrad) {
+  check_dense(param, "param");
+  to_dtype(param, "param");
+  const int64_t n = param.numel();
+  check_like(grad, "grad", param, "param", n);
+  check_like(exp_avg, "exp_avg", param, "param", n);
+  check_like(exp_avg_sq, "exp_avg_sq", param, "param", n);
+  TORCH_CHECK(step >= 1.0, "osp: adam_step needs the step count after this step's increment (>= 1), got ",
+              step);
+  if (!amsgrad) return nullptr;
+  TORCH_CHECK(max_exp_avg_sq.has_value(), "osp: adam_step with amsgrad needs max_exp_avg_sq, got None");
+  check_like(*max_exp_avg_sq, "max_exp_avg_sq", param, "param", n);
+  return max_exp_avg_sq->data_ptr();
+}
+
+}  // namespace checks
+}  // namespace osp

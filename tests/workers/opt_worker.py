@@ -1,6 +1,6 @@
 """Rank program for the optimizer tests: real ranks, real collectives, results as JSON per rank.
 
-Usage: opt_worker.py SCENARIO BACKEND OUTDIR
+Usage: opt_worker.py SCENARIO[:CASE] BACKEND OUTDIR  (e.g. invariants:adam, configs:auto, dsync:2)
 Scenarios: invariants, configs, badinput, mismatch, peer_dies, peer_stalls, horovod_match,
 dsync:DELAY, dsync_badinput.
 """
@@ -18,7 +18,15 @@ import osp
 from osp.launcher import init_from_env
 
 scenario, backend, outdir = sys.argv[1], sys.argv[2], sys.argv[3]
-comm = init_from_env(backend, timeout_s=60)
+if os.environ.get("OSP_TEST_STORE"):  # ranks spawned by the tests themselves, meeting in a file store
+    import datetime
+
+    torch.distributed.init_process_group(
+        "gloo", init_method="file://" + os.environ["OSP_TEST_STORE"], rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]), timeout=datetime.timedelta(seconds=60))
+    comm = osp.comm.TorchComm()
+else:
+    comm = init_from_env(backend, timeout_s=60)
 rank, size = comm.rank, comm.size
 torch.set_num_threads(1)
 results = {"rank": rank, "size": size, "checks": {}, "errors": {}}
@@ -114,8 +122,10 @@ def check_resume(name, fresh, step_fn, continues=True):
           f"max abs diff {float((flat_params(model) - flat_params(resumed)).abs().max()):.3g}")
 
 
-def invariants():
+def invariants(only=None):
     for oname, make_opt in OPTIMIZERS.items():
+        if only is not None and oname != only:
+            continue
         # I1 and I3: replicas equal at every correction point; the trajectory equals plain averaged
         # updates of the gradients that were actually computed
         model = make_model()
@@ -207,10 +217,12 @@ CONFIGS = {
 }
 
 
-def configs():
+def configs(only=None):
     """I1-I4 for every metric, critical='auto', fp16 and bf16 parameters, and several param groups with
     different hyper-parameters (the generic correction path too)."""
     for cname, (dtype, make_opt, kw) in CONFIGS.items():
+        if only is not None and cname != only:
+            continue
         if backend == "horovod" and dtype == torch.bfloat16:
             m = make_model().to(dtype)
             expect_error(f"bf16_refused/{cname}", ValueError, "bfloat16, which Horovod cannot allreduce",

@@ -3,6 +3,7 @@ and PyTorch DDP, in one run, with ranks in network namespaces whose links are sh
 
     python bench/train_throughput.py --quick          # a few minutes on 2 cores (needs root)
     python bench/train_throughput.py --ranks 2,4 --bandwidths 100mbit,1gbit,10gbit,none
+    python bench/train_throughput.py --variation --steps 40   # DSync: fluctuating link and compute
 
 For every bandwidth it trains a synthetic-input MLP (~8M parameters) with each contender and reports
 samples/s, the step-time breakdown (compute, stage-1 communication, stage-2 wait), the ratio to
@@ -23,6 +24,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONTENDERS = ["hvd", "ddp", "osp-bsp", "osp-auto", "osp-0.1", "osp-0.25", "osp-0.5"]
+# --variation: a link whose rate changes while training runs, and compute that varies per step
+VARIATION_CONTENDERS = ["dsync-auto", "dsync-2", "dsync-4", "osp-auto", "osp-bsp", "ddp", "hvd"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -77,28 +80,59 @@ def worker(a):
         net = torch.nn.parallel.DistributedDataParallel(model)
         opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
     else:
-        mode = a.contender.split("-", 1)[1]
-        sync = osp.BSP() if mode == "bsp" else osp.OSP(critical=mode if mode == "auto" else float(mode),
-                                                         block_size=a.block_size)
+        family, mode = a.contender.split("-", 1)
+        if family == "dsync":
+            sync = osp.DSync(delay=mode if mode == "auto" else int(mode), max_delay=max(4, 1 if mode == "auto"
+                                                                                      else int(mode)))
+        elif mode == "bsp":
+            sync = osp.BSP()
+        else:
+            sync = osp.OSP(critical=mode if mode == "auto" else float(mode), block_size=a.block_size)
         opt = osp.DistributedOptimizer(inner, model.named_parameters(), sync=sync, backend=comm)
         net = model
+    # compute that varies from step to step (e.g. batches of different cost): extra work of a random
+    # share of compute_alone before each step, drawn per rank and step from a seeded generator
+    rng = torch.Generator().manual_seed(1234 + comm.rank)
+    busy_a = torch.randn(64, 64)
+    extra_s = []
+
+    def busy(seconds):
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            torch.mm(busy_a, busy_a)
+
     times = []
     for _ in range(a.warmup + a.steps):
         t0 = time.perf_counter()
+        if a.jitter:
+            extra_s.append(float(torch.rand((), generator=rng)) * a.jitter * compute_alone)
+            busy(extra_s[-1])
         opt.zero_grad()
         F.cross_entropy(net(x), y).backward()
         opt.step()
         times.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
     if isinstance(opt, osp.DistributedOptimizer):
         opt.flush()
-    step_s = statistics.median(times[a.warmup:])
+    flush_s = time.perf_counter() - t0
+    # total: what the run took, the averages still in flight at the end included (a delay must not
+    # hide its last steps' communication); median: the median step, robust to outliers
+    if a.timing == "total":
+        step_s = (sum(times[a.warmup:]) + flush_s) / a.steps
+    else:
+        step_s = statistics.median(times[a.warmup:])
     out = {"contender": a.contender, "ranks": comm.size, "params": nparams, "batch": a.batch,
            "step_s": step_s, "samples_per_s": a.batch * comm.size / step_s, "compute_alone_s": compute_alone,
-           "bytes": nparams * 4}
+           "extra_compute_s": statistics.mean(extra_s[a.warmup:]) if extra_s else 0.0, "bytes": nparams * 4}
     if isinstance(opt, osp.DistributedOptimizer):
         hist = opt.stats()["history"][a.warmup:]
         for k in ("critical_fraction", "stage1_s", "stage2_wait_s", "compute_s"):
             out[k] = statistics.median(h[k] for h in hist)
+        if family == "dsync":
+            delays = [h["delay"] for h in hist]
+            out.update(delay_median=statistics.median(delays), delay_max=max(delays),
+                       delays=delays, replay_s=statistics.mean(h["replay_s"] for h in hist),
+                       kept_bytes=opt.stats()["kept_bytes"])
     if comm.rank == 0:
         with open(a.out, "w") as fh:
             json.dump(out, fh)
@@ -125,8 +159,14 @@ def run_contender(NetEm, rate, ranks, contender, a, tmp):
     backend = engine(contender, a.osp_backend)
     argv = [sys.executable, os.path.abspath(__file__), "--worker", "--contender", contender, "--out", out,
             "--width", str(a.width), "--batch", str(a.batch), "--steps", str(a.steps), "--warmup", str(a.warmup),
-            "--block-size", str(a.block_size), "--osp-backend", a.osp_backend]
-    with NetEm(ranks, rate=None if rate == "none" else rate) as net:
+            "--block-size", str(a.block_size), "--osp-backend", a.osp_backend, "--jitter", str(a.jitter),
+            "--timing", a.timing]
+    switch = None
+    if a.switch:
+        argv += ["--switch", a.switch]
+        rates, period = a.switch.split(":")
+        switch = (rates.split(","), float(period))
+    with NetEm(ranks, rate=None if rate == "none" else rate, switch=switch) as net:
         codes = net.run(backend, argv, timeout=a.run_timeout, env={"PYTHONPATH": ROOT + "/python:" + ROOT},
                         log_prefix=os.path.join(tmp, f"log-{contender}-{ranks}-{rate}"))
     if any(codes) or not os.path.exists(out):
@@ -211,6 +251,49 @@ def plots(rows, digits, path_prefix):
         plt.close(fig)
 
 
+def variation(a, NetEm, tmp):
+    """DSync's case: slack against variation. The same contenders on a steady link at the average rate,
+    and on a link cycling between the rates of --switch with compute varying per step (--jitter)."""
+    rates, period = a.switch.split(":")
+    rates = rates.split(",")
+    avg_bits = statistics.mean(_bits(r) for r in rates)
+    steady = f"{avg_bits / 1e6:.0f}mbit"
+    contenders = a.contenders.split(",") if a.contenders != ",".join(CONTENDERS) else VARIATION_CONTENDERS
+    scenarios = [("steady", steady, None, 0.0), ("fluctuating", rates[0], a.switch, a.jitter or 1.0)]
+    rows, t_start = [], time.monotonic()
+    for name, rate, switch, jitter in scenarios:
+        sub = argparse.Namespace(**{**vars(a), "switch": switch, "jitter": jitter})
+        for c in contenders:
+            r = run_contender(NetEm, rate, 2, c, sub, tmp)
+            r.update(scenario=name, link=f"{a.switch} (average {steady})" if switch else steady)
+            rows.append(r)
+            msg = r.get("error", "")[:300] or f"{r['samples_per_s']:8.1f} samples/s  step {1e3 * r['step_s']:.0f} ms"
+            print(f"[{time.monotonic() - t_start:5.0f}s] {name:11s} {c:10s} {msg}", flush=True)
+    for r in rows:
+        if "error" in r:
+            continue
+        peers = {x["contender"]: x for x in rows if x["scenario"] == r["scenario"] and "error" not in x}
+        for key, other in (("x_osp_auto", "osp-auto"), ("x_ddp", "ddp"), ("x_hvd", "hvd")):
+            if other in peers:
+                r[key] = r["samples_per_s"] / peers[other]["samples_per_s"]
+        compute = r["compute_alone_s"] + r["extra_compute_s"]
+        r["comm_s"] = ring_seconds(r["bytes"], r["ranks"], avg_bits)
+        r["ideal_s"] = max(compute, r["comm_s"])
+        r["share_of_bound"] = r["ideal_s"] / r["step_s"]
+    lines = ["| link | contender | samples/s | share of bound | x OSP(auto) | x DDP | x Horovod | step ms | "
+             "bound ms | delay (median / max) |", "|" + "---|" * 10]
+    f2 = lambda r, k: f"{r[k]:.2f}" if k in r else "-"  # noqa: E731
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['scenario']} | {r['contender']} | failed |" + " |" * 7)
+            continue
+        delay = f"{r['delay_median']:g} / {r['delay_max']}" if "delay_median" in r else "-"
+        lines.append(f"| {r['scenario']} | {r['contender']} | {r['samples_per_s']:.1f} | {f2(r, 'share_of_bound')} | "
+                     f"{f2(r, 'x_osp_auto')} | {f2(r, 'x_ddp')} | {f2(r, 'x_hvd')} | {1e3 * r['step_s']:.0f} | "
+                     f"{1e3 * r['ideal_s']:.0f} | {delay} |")
+    return rows, "\n".join(lines)
+
+
 def _bits(rate):
     sys.path.insert(0, ROOT)
     from bench.netem.netem import parse_rate
@@ -237,6 +320,14 @@ def main(argv=None):
                     "one where BSP communicates about as long as it computes)")
     ap.add_argument("--digits-epochs", type=int, default=15)
     ap.add_argument("--run-timeout", type=float, default=300)
+    ap.add_argument("--jitter", type=float, default=0.0, help="extra compute per step: a uniform random share "
+                    "in [0, JITTER] of the compute time")
+    ap.add_argument("--switch", default=None, help="RATES:PERIOD, e.g. 2gbit,250mbit:1.0: the link's rate "
+                    "cycles through RATES, each held PERIOD seconds")
+    ap.add_argument("--timing", choices=["median", "total"], default="median", help="a step's time: the "
+                    "median step, or the whole run (flush included) over the steps (--variation uses total)")
+    ap.add_argument("--variation", action="store_true", help="DSync against OSP, BSP, DDP and Horovod on a "
+                    "steady link and on a fluctuating one with varying compute (2 ranks)")
     ap.add_argument("--json", default=os.path.join(ROOT, "bench", "out", "throughput.json"))
     a = ap.parse_args(argv)
     if a.worker:
@@ -246,6 +337,19 @@ def main(argv=None):
     sys.path.insert(0, ROOT)
     from bench.netem.netem import NetEm
 
+    if a.variation:
+        a.switch = a.switch or "2gbit,250mbit:1.0"
+        a.timing = "total"
+        a.jitter = a.jitter or 1.0
+        with tempfile.TemporaryDirectory() as tmp:
+            rows, text = variation(a, NetEm, tmp)
+        path = a.json[:-5] + "_variation.json"
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as fh:
+            json.dump({"config": vars(a), "rows": rows}, fh, indent=1)
+        print()
+        print(text)
+        return 0
     rows, digits = [], []
     runs = [(r, int(n), c) for r in a.bandwidths.split(",") for n in a.ranks.split(",")
             for c in a.contenders.split(",")]

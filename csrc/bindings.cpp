@@ -61,12 +61,9 @@ std::tuple<at::Tensor, at::Tensor> score_blocks_cpu(const at::Tensor& grad,
 }
 
 void pack_blocks_cpu(const at::Tensor& flat, const at::Tensor& ids, int64_t bs, const at::Tensor& out) {
-  check_dense(flat, "flat");
-  const DType dt = to_dtype(flat, "flat");
-  check_block_size(bs);
+  const DType dt = check_flat(flat, bs);
   const int64_t len = validate_ids_cpu(ids, flat, bs);
-  check_like(out, "out", flat, "flat", len);
-  check_no_overlap(out, "out", flat, "flat");
+  check_packed(flat, out, "out", len, /*into_flat=*/false);
   if (len > 0)
     cpu::pack_blocks(dt, flat.data_ptr(), flat.numel(), ids.data_ptr<int64_t>(), ids.numel(), bs,
                      out.data_ptr());
@@ -74,12 +71,9 @@ void pack_blocks_cpu(const at::Tensor& flat, const at::Tensor& ids, int64_t bs, 
 
 void unpack_blocks_cpu(const at::Tensor& buf, const at::Tensor& ids, int64_t bs, const at::Tensor& flat,
                        bool accumulate) {
-  check_dense(flat, "flat");
-  const DType dt = to_dtype(flat, "flat");
-  check_block_size(bs);
+  const DType dt = check_flat(flat, bs);
   const int64_t len = validate_ids_cpu(ids, flat, bs);
-  check_like(buf, "buf", flat, "flat", len);
-  check_no_overlap(flat, "flat", buf, "buf");
+  check_packed(flat, buf, "buf", len, /*into_flat=*/true);
   if (len > 0)
     cpu::unpack_blocks(dt, buf.data_ptr(), flat.numel(), ids.data_ptr<int64_t>(), ids.numel(), bs,
                        flat.data_ptr(), accumulate);

@@ -83,6 +83,22 @@ inline int64_t check_ids_shape(const at::Tensor& ids, const at::Tensor& flat, in
   return nb;
 }
 
+// pack/unpack: the flat tensor and block size; returns its dtype.
+inline DType check_flat(const at::Tensor& flat, int64_t bs) {
+  check_dense(flat, "flat");
+  const DType dt = to_dtype(flat, "flat");
+  check_block_size(bs);
+  return dt;
+}
+
+// pack/unpack: the packed buffer `buf` (named bname) holds `len` elements like `flat`, apart from it.
+inline void check_packed(const at::Tensor& flat, const at::Tensor& buf, const char* bname, int64_t len,
+                         bool into_flat) {
+  check_like(buf, bname, flat, "flat", len);
+  if (into_flat) check_no_overlap(flat, "flat", buf, bname);
+  else check_no_overlap(buf, bname, flat, "flat");
+}
+
 // The packed length of nids whole blocks, one of them the short last block when has_last.
 inline int64_t packed_length(int64_t nids, int64_t nb, int64_t bs, int64_t n, bool has_last) {
   return nids * bs - (has_last ? nb * bs - n : 0);

@@ -7,6 +7,9 @@ in time; everything is removed on exit, on failure and on Ctrl-C.
 
     with NetEm(nranks=2, rate="1gbit") as net:
         codes = net.run("torch", ["python", "-m", "osp.train", ...], timeout=600)
+
+A link whose rate changes while training runs: ``NetEm(2, rate="2gbit", switch=(["2gbit", "250mbit"], 1.0))``
+changes every shaped link's tbf rate to the next in the list every second, for as long as it is open.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from typing import Dict, List, Optional, Sequence
 
@@ -40,9 +44,21 @@ def parse_rate(rate: str) -> int:
 
 
 class NetEm:
-    def __init__(self, nranks: int, rate: Optional[str] = None, delay_ms: float = 0.0, tag: Optional[str] = None):
+    def __init__(self, nranks: int, rate: Optional[str] = None, delay_ms: float = 0.0, tag: Optional[str] = None,
+                 switch: Optional[tuple] = None):
         if nranks < 1:
             raise ValueError(f"netem: nranks must be >= 1, got {nranks}")
+        if switch is not None:
+            rates, period = switch
+            if not rates or not rate or delay_ms or not period > 0:
+                raise ValueError(f"netem: switch needs a rate, no delay, a list of rates and a period > 0, "
+                                 f"got rate={rate!r} delay_ms={delay_ms} switch={switch!r}")
+            for r in rates:
+                parse_rate(r)
+        self.switch = switch
+        self._links: List[tuple] = []
+        self._stop = threading.Event()
+        self._switcher: Optional[threading.Thread] = None
         self.n, self.rate, self.delay_ms = nranks, rate, float(delay_ms)
         self.tag = tag or f"{os.getpid() % 10000}"
         self.hub = f"osph{self.tag}"
@@ -74,7 +90,22 @@ class NetEm:
         self.close()
         raise KeyboardInterrupt(f"netem: signal {signum}")
 
+    def _switch_loop(self):
+        rates, period = self.switch
+        i = 0
+        while not self._stop.wait(period):
+            i += 1
+            rate = rates[i % len(rates)]
+            burst = max(256 * 1024, parse_rate(rate) // 8 // 100)
+            for where, dev in self._links:
+                _sh(["tc", "-n", where, "qdisc", "change", "dev", dev, "root", "tbf", "rate", rate,
+                     "burst", str(burst), "latency", "100ms"], check=False)
+
     def close(self):
+        self._stop.set()
+        if self._switcher is not None:
+            self._switcher.join(timeout=60)
+            self._switcher = None
         for p in self._procs:
             if p.poll() is None:
                 try:
@@ -116,6 +147,9 @@ class NetEm:
         # connectivity check, bounded
         for i in range(1, self.n):
             _sh(["ip", "netns", "exec", self.ns[i], "ping", "-c", "1", "-W", "2", self.addr(0)], check=False)
+        if self.switch is not None:
+            self._switcher = threading.Thread(target=self._switch_loop, name="netem-switch", daemon=True)
+            self._switcher.start()
 
     def _shape(self, where: str, dev: str) -> None:
         if self.delay_ms:
@@ -130,6 +164,7 @@ class NetEm:
             burst = max(256 * 1024, parse_rate(self.rate) // 8 // 100)
             _sh(["tc", "-n", where, "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.rate,
                  "burst", str(burst), "latency", "100ms"])
+            self._links.append((where, dev))
 
     def addr(self, i: int) -> str:
         return f"{SUBNET}.{i + 1}"

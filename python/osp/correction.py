@@ -61,6 +61,7 @@ class Snapshot:
     fg: FlatGroup
     mask: torch.Tensor  # blocks NOT in the snapshot (already exact)
     hyper: Dict[str, Any]  # the group's hyper-parameters for the update being corrected
+    numel: int = 0  # elements of the deferred blocks
 
 
 @dataclass
@@ -98,7 +99,7 @@ class Generic:
 
     def snapshot(self, fg: FlatGroup, mask: torch.Tensor, n_deferred: int, step_hyper: dict) -> Snapshot:
         st = self.optimizer.state
-        s = GenericSnapshot(fg=fg, mask=mask, hyper=step_hyper, touched=fg.touched(~mask))
+        s = GenericSnapshot(fg=fg, mask=mask, hyper=step_hyper, numel=n_deferred, touched=fg.touched(~mask))
         for i in s.touched:
             p = fg.params[i]
             s.params[i] = p.detach().clone()
@@ -145,6 +146,10 @@ class Generic:
         """Put the snapshotted blocks back as they were (no update)."""
         for s in snaps:
             self._restore_generic(s)
+
+    def advance(self, snaps: Sequence[Snapshot]) -> List[Snapshot]:
+        """Snapshots of the state ``correct(snaps)`` just wrote (for a next exact update on top)."""
+        return [self.snapshot(s.fg, s.mask, s.numel, s.hyper) for s in snaps]
 
     def step_count(self, fg: FlatGroup) -> float:
         """How many updates the state of ``fg`` has had, where the kernels need it (Adam); else 0."""
@@ -241,7 +246,7 @@ class _Fused(Generic):
         if not self.fused_ok(fg):
             return super().snapshot(fg, mask, n_deferred, step_hyper)
         ws, bs = self.workspace(fg), fg.block_size
-        s = FusedSnapshot(fg=fg, mask=mask, hyper=step_hyper, param=ws("snap.param", n_deferred))
+        s = FusedSnapshot(fg=fg, mask=mask, hyper=step_hyper, numel=n_deferred, param=ws("snap.param", n_deferred))
         ops.split_blocks(fg.param, mask, bs, None, s.param)
         flat = self.flat.get(id(fg), {}) if self.has_state(fg) else {}
         for key in self.state_keys(fg):
@@ -262,6 +267,11 @@ class _Fused(Generic):
                     ops.merge_blocks(None, buf, s.mask, s.fg.block_size, self.flat[id(s.fg)][key])
                 ops.merge_blocks(None, s.param, s.mask, s.fg.block_size, s.fg.param)
         self._correct_generic(generic)
+
+    def advance(self, snaps):
+        # a fused correction computes in the snapshot's own buffers: they hold what it wrote
+        return [s if isinstance(s, FusedSnapshot) else self.snapshot(s.fg, s.mask, s.numel, s.hyper)
+                for s in snaps]
 
     def restore(self, snaps):
         st = self.optimizer.state

@@ -122,6 +122,22 @@ def check_resume(name, fresh, step_fn, continues=True):
           f"max abs diff {float((flat_params(model) - flat_params(resumed)).abs().max()):.3g}")
 
 
+def check_replay(name, model, make_opt, grads):
+    """I3: ``model`` equals torch.optim (under the same LR schedule) stepping with the average over
+    ranks of the gradients every rank recorded."""
+    all_grads = comm.allgather_object(grads)
+    replay = make_model()
+    ropt = make_opt(replay.parameters())
+    rsched = scheduler(ropt)
+    for step in range(STEPS):
+        for i, p in enumerate(replay.parameters()):
+            p.grad = torch.stack([all_grads[r][step][i] for r in range(size)]).mean(0)
+        ropt.step()
+        rsched.step()
+    a, b = flat_params(model), flat_params(replay)
+    check(name, torch.allclose(a, b, rtol=1e-5, atol=1e-6), f"max abs diff {float((a - b).abs().max()):.3g}")
+
+
 def invariants(only=None):
     for oname, make_opt in OPTIMIZERS.items():
         if only is not None and oname != only:
@@ -148,18 +164,7 @@ def invariants(only=None):
         check(f"stats/{oname}", st["steps"] == STEPS and first["critical_fraction"] == 1.0
               and first["bytes_stage2"] == 0 and all(
                   0.3 <= h["critical_fraction"] < 0.45 and h["bytes_stage2"] > 0 for h in rest), st["history"])
-        all_grads = comm.allgather_object(grads)
-        replay = make_model()
-        ropt = make_opt(replay.parameters())
-        rsched = scheduler(ropt)
-        for step in range(STEPS):
-            for i, p in enumerate(replay.parameters()):
-                p.grad = torch.stack([all_grads[r][step][i] for r in range(size)]).mean(0)
-            ropt.step()
-            rsched.step()
-        a, b = flat_params(model), flat_params(replay)
-        err = float((a - b).abs().max())
-        check(f"I3/{oname}", torch.allclose(a, b, rtol=1e-5, atol=1e-6), f"max abs diff {err:.3g}")
+        check_replay(f"I3/{oname}", model, make_opt, grads)
 
         # I2: critical=1.0 is BSP, bitwise (2 ranks: sum order cannot differ)
         m1, m2 = make_model(), make_model()
@@ -302,18 +307,7 @@ def dsync(delay):
         check(f"stats/{oname}", st["delay"] == delay and st["steps"] == STEPS and (
             delay == 1 or sum(h["replayed"] for h in st["history"]) == (STEPS - delay) * (delay - 1)),
             st["history"])
-        all_grads = comm.allgather_object(grads)
-        replay = make_model()
-        ropt = make_opt(replay.parameters())
-        rsched = scheduler(ropt)
-        for step in range(STEPS):
-            for i, p in enumerate(replay.parameters()):
-                p.grad = torch.stack([all_grads[r][step][i] for r in range(size)]).mean(0)
-            ropt.step()
-            rsched.step()
-        a, b = flat_params(model), flat_params(replay)
-        check(f"I3/{oname}", torch.allclose(a, b, rtol=1e-5, atol=1e-6),
-              f"max abs diff {float((a - b).abs().max()):.3g}")
+        check_replay(f"I3/{oname}", model, make_opt, grads)
 
         def fresh(seed=0, make_opt=make_opt):
             m = make_model(seed)

@@ -143,7 +143,7 @@ class DSyncMode(Mode):
         rec["replay_s"] = time.perf_counter() - t1
         rec["replayed"] = replayed
         if self._snap is None:  # nothing in flight: the state is exact
-            self._take_snapshot(fresh=True)
+            self._take_snapshot()
         self.corrector.set_step_count(ctx.groups, [c + replayed for c in self._count]
                                       if due else None)
         # the provisional update with this rank's own gradient
@@ -171,11 +171,10 @@ class DSyncMode(Mode):
     def _auto_delay(self) -> int:
         return max(1, min(self.options.max_delay, max(self._ages, default=1)))
 
-    def _take_snapshot(self, fresh: bool) -> None:
+    def _take_snapshot(self) -> None:
         ctx = self.ctx
         self._snap = [self.corrector.snapshot(fg, m, fg.padded, {}) for fg, m in zip(ctx.groups, self._none)]
-        if fresh:
-            self._count = [self.corrector.step_count(fg) for fg in ctx.groups]
+        self._count = [self.corrector.step_count(fg) for fg in ctx.groups]
 
     def _apply(self, due: List[_Step]) -> int:
         """Restore the snapshot and apply the exact updates of ``due`` (oldest first); a step whose
@@ -187,17 +186,15 @@ class DSyncMode(Mode):
             if ctx.any_nonfinite(avgs):
                 skipped += 1
                 continue
-            if exact:  # the previous exact update moved the state: snapshot it again
-                self._take_snapshot(fresh=False)
             for i, (snap, fg) in enumerate(zip(self._snap, ctx.groups)):
                 snap.hyper = s.hyper[fg.group_index]
                 snap.step = self._count[i] + 1
             self.corrector.correct(list(zip(self._snap, avgs)))
+            self._snap = self.corrector.advance(self._snap)  # now the exact state before the next step
             self._count = [c + 1 for c in self._count]
             exact = True
-        if not exact:
+        if not exact:  # the snapshot is still the exact state: put it back
             self.corrector.restore(self._snap)
-        self._take_snapshot(fresh=False)
         if self.options.delay != "auto":  # every rank is at this point of the same step
             ctx.on_synced()
         return skipped

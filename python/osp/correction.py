@@ -11,9 +11,9 @@ update is exactly the synchronous one. One corrector per optimizer kind:
 - ``Generic``, for any other optimizer (and for a fused kind in a configuration the kernels do not
   cover): restore the touched parameters and their state, and step the wrapped optimizer again.
 
-    snap = corrector.snapshot(fg, mask, n_deferred)   # before the provisional update
-    ...                                               # the average in flight
-    corrector.correct([(snap, avg)])                  # the exact update of the deferred blocks
+    snap = corrector.snapshot(fg, mask, n_deferred, hyper(group))  # before the provisional update
+    ...                                                            # the average in flight
+    corrector.correct([(snap, avg)])               # the exact update of the deferred blocks
 """
 from __future__ import annotations
 
@@ -225,7 +225,7 @@ class _Fused(Generic):
         kernels can pack and correct them; loaded or new state tensors are copied in."""
         st = self.optimizer.state
         for fg in groups:
-            if not all(st.get(p) for p in fg.params):
+            if not self.has_state(fg):
                 continue
             flat = self.flat.setdefault(id(fg), {})
             for key in self.state_keys(fg):

@@ -132,6 +132,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
                            "group's parameters into flat buffers at construction. Add every group to the "
                            "optimizer before wrapping it")
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the flat gradients: what a step moves in all."""
+        return self._ctx.nbytes
+
     def _param_group_shape(self):
         return tuple(len(g["params"]) for g in self.optimizer.param_groups)
 
@@ -212,7 +217,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not self.groups:
             raise ValueError("osp: the optimizer has no trainable parameter (every parameter has "
                              "requires_grad=False); there is nothing to synchronize")
-        self.nbytes = sum(fg.padded * fg.param.element_size() for fg in self.groups)
 
     # -- backward hooks ---------------------------------------------------------------------------
     def _on_grad(self, p: torch.Tensor) -> None:

@@ -132,8 +132,7 @@ class DSyncMode(Mode):
                "delay": self.delay}
         t0 = time.perf_counter()
         for s in due:
-            for h in s.handles:
-                ctx.comm.wait(h, ctx.timeout, "delayed gradient allreduce")
+            self.buckets.wait(s.handles, ctx.timeout, "delayed gradient allreduce")
             if s.arrived is None:  # it had to be waited for: a longer delay would have hidden it
                 self._ages.append(self.t - s.index + (1 if time.perf_counter() - t0 > 1e-4 else 0))
         rec["stage2_wait_s"] = time.perf_counter() - t0
@@ -215,8 +214,7 @@ class DSyncMode(Mode):
         if self._inflight:
             due = list(self._inflight)
             for s in due:
-                for h in s.handles:
-                    self.ctx.comm.wait(h, self.ctx.timeout, "delayed gradient allreduce")
+                self.buckets.wait(s.handles, self.ctx.timeout, "delayed gradient allreduce")
             skipped = self._apply(due)
             self._snap = None
             if self.options.delay == "auto":

@@ -378,13 +378,15 @@ def test_param_groups_changed_after_wrapping_raise(one_rank, sync):
         local_steps(model, opt, 1)
 
 
-def test_bsp_extra_backward_raises(one_rank):
+@pytest.mark.parametrize("sync", [osp.BSP(), osp.OSP(critical=0.3, block_size=64), osp.DSync(delay=2)], ids=repr)
+def test_extra_backward_raises(one_rank, sync):
     model = tiny_model()
     opt = osp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
-                                   sync=osp.BSP())
+                                   sync=sync)
     x, y = torch.randn(8, 12), torch.randint(0, 5, (8,))
     torch.nn.functional.cross_entropy(model(x), y).backward()
-    with pytest.raises(RuntimeError, match="computed 2 times before step\\(\\), more than backward_passes_per_step=1"):
+    with pytest.raises(RuntimeError, match="got a gradient from 2 backward passes since the last step\\(\\), "
+                                           "more than backward_passes_per_step=1"):
         torch.nn.functional.cross_entropy(model(x), y).backward()
     assert opt.stats()["steps"] == 0  # the optimizer must stay alive: its hooks hold it weakly
 

@@ -7,8 +7,8 @@
 from . import ops
 from .launcher import init_from_env
 from .modes import BSP, OSP, DSync
-from .optimizer import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
+from .optimizer import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters, sync_buffers
 
 __version__ = "0.1.0"
 __all__ = ["ops", "BSP", "OSP", "DSync", "DistributedOptimizer", "broadcast_parameters",
-           "broadcast_optimizer_state", "init_from_env", "__version__"]
+           "broadcast_optimizer_state", "sync_buffers", "init_from_env", "__version__"]

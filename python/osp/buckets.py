@@ -7,7 +7,7 @@ Buckets start strictly in order, so every rank issues the same collectives in th
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, List, Sequence
 
 import torch
 
@@ -22,9 +22,8 @@ class Buckets:
     itself; a mode that keeps the local gradient passes a buffer of its own, which receives a copy).
     """
 
-    def __init__(self, groups: Sequence[FlatGroup], bucket_mb: float, comm: Comm, passes_per_step: int,
-                 name: str):
-        self.comm, self.passes_per_step, self.name = comm, passes_per_step, name
+    def __init__(self, groups: Sequence[FlatGroup], bucket_mb: float, comm: Comm, name: str):
+        self.comm, self.name = comm, name
         limit = int(bucket_mb * (1 << 20))
         self.buckets: List[tuple] = []  # (fg, lo, hi, params)
         for fg in groups:
@@ -45,8 +44,7 @@ class Buckets:
         self.reset()
 
     def reset(self, dest: Callable[[FlatGroup], torch.Tensor] = None, tag: str = "") -> None:
-        """Forget the step's passes and handles (the caller waited for them or keeps them)."""
-        self._passes: Dict[torch.nn.Parameter, int] = {}
+        """Forget the step's ready gradients and handles (the caller waited for them or keeps them)."""
         self._ready = [0] * len(self.buckets)
         self.launched: List[Handle] = []
         if dest is not None:
@@ -57,19 +55,10 @@ class Buckets:
     def in_flight(self) -> bool:
         return bool(self.launched)
 
-    def on_grad(self, p: torch.Tensor) -> None:
-        """A backward pass produced ``p``'s gradient."""
-        n = self._passes.get(p, 0) + 1
-        self._passes[p] = n
-        if n > self.passes_per_step:
-            # its bucket's average may already be in flight: adding into it would differ per rank
-            raise RuntimeError(
-                f"osp: gradients were computed {n} times before step(), more than backward_passes_per_step="
-                f"{self.passes_per_step}; raise backward_passes_per_step to accumulate gradients "
-                "locally, or call step() after each backward")
-        if n == self.passes_per_step:
-            self._ready[self._bucket_of[p]] += 1
-            self.launch(force=False)
+    def on_ready(self, p: torch.Tensor) -> None:
+        """``p``'s gradient had its last backward pass of the step: start what is complete."""
+        self._ready[self._bucket_of[p]] += 1
+        self.launch(force=False)
 
     def launch(self, force: bool = True) -> List[Handle]:
         """Start the buckets that are ready (``force``: all the rest, a missing gradient counting as

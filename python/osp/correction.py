@@ -98,13 +98,24 @@ class Generic:
         """Called after every step of the wrapped optimizer and after loading its state."""
 
     def snapshot(self, fg: FlatGroup, mask: torch.Tensor, n_deferred: int, step_hyper: dict) -> Snapshot:
+        s = self._keep(GenericSnapshot(fg=fg, mask=mask, hyper=step_hyper, numel=n_deferred,
+                                       touched=fg.touched(~mask)))
+        s.grad = self.workspace(fg)("snap.grad").copy_(fg.grad)
+        return s
+
+    def hold(self, fg: FlatGroup, indices) -> "GenericSnapshot":
+        """A copy of parameters ``indices`` of ``fg`` and their state, to put back with ``restore``
+        after an update that must leave them alone (they had no gradient on any rank)."""
+        return self._keep(GenericSnapshot(fg=fg, mask=torch.ones(0, dtype=torch.bool), hyper={},
+                                          touched=sorted(indices)))
+
+    def _keep(self, s: "GenericSnapshot") -> "GenericSnapshot":
+        """Copy the parameters ``s.touched`` and their state into ``s``."""
         st = self.optimizer.state
-        s = GenericSnapshot(fg=fg, mask=mask, hyper=step_hyper, numel=n_deferred, touched=fg.touched(~mask))
         for i in s.touched:
-            p = fg.params[i]
+            p = s.fg.params[i]
             s.params[i] = p.detach().clone()
             s.states[i] = _clone_state(st.get(p))
-        s.grad = self.workspace(fg)("snap.grad").copy_(fg.grad)
         return s
 
     def correct(self, items: List[Tuple[Snapshot, torch.Tensor]]) -> None:

@@ -38,7 +38,12 @@ class FlatGroup:
                 v = self.param[o:o + p.numel()].view_as(p)
                 v.copy_(p.detach())
                 p.data = v
-        self.grad_views = [self.view(self.grad, i) for i in range(len(params))]
+        self._ptrs = [p.data_ptr() for p in params]
+        # p.grad is an alias of its slice of the flat gradient with a version counter of its own (a view
+        # would share the flat buffer's): in-place changes to one gradient (zero_(), clipping, another
+        # backward accumulating into it) show in that gradient's ``_version`` alone
+        self.grad_views = [self._alias(self.grad, i) for i in range(len(params))]
+        self.absent: set = set()  # parameters whose gradient was None when gathered this step
         # first and last block of each parameter, to find the parameters a block set touches
         self.block_span = [(o // block_size, (o + max(p.numel(), 1) - 1) // block_size)
                            for p, o in zip(params, self.offsets)]
@@ -48,14 +53,24 @@ class FlatGroup:
         p, o = self.params[i], self.offsets[i]
         return flat[o:o + p.numel()].view_as(p)
 
+    def _alias(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        """Parameter ``i``'s part of ``flat`` as a tensor of its own (not a view: own version counter)."""
+        v = self.view(flat, i)
+        if not v.numel():
+            return v
+        t = torch.empty(0, dtype=flat.dtype, device=flat.device)
+        return t.set_(flat.untyped_storage(), v.storage_offset(), v.shape, v.stride())
+
     def gather_grads(self, params=None) -> None:
         """Make the flat gradient hold the gradients of ``params`` (default: all); a missing gradient
-        counts as zeros (as in Horovod). Afterwards each ``p.grad`` is a view into the flat gradient."""
+        counts as zeros (as in Horovod) and is noted in ``absent``. Afterwards each ``p.grad`` is its
+        alias into the flat gradient."""
         for i in range(len(self.params)) if params is None else [self.index[id(p)] for p in params]:
             p, gv = self.params[i], self.grad_views[i]
             g = p.grad
             if g is None:
                 gv.zero_()
+                self.absent.add(i)
             elif g.layout != torch.strided:
                 raise ValueError(
                     f"osp: parameter {self.names[i]!r} has a sparse gradient (layout {g.layout}); "
@@ -64,10 +79,29 @@ class FlatGroup:
                 gv.copy_(g)
             p.grad = gv
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
         self.grad.zero_()
         for p, gv in zip(self.params, self.grad_views):
-            p.grad = gv
+            p.grad = None if set_to_none else gv
+
+    def set_grads(self, absent=()) -> None:
+        """Point each ``p.grad`` at its alias, or at None where ``absent`` (indices) says so: the wrapped
+        optimizer then leaves those parameters alone, as ``torch.optim`` does."""
+        for i, (p, gv) in enumerate(zip(self.params, self.grad_views)):
+            p.grad = None if i in absent else gv
+
+    def check_params(self) -> None:
+        """Raise if a parameter stopped being a view of the flat buffer (``model.to(...)``, ``.half()``,
+        ``p.data = ...`` after wrapping): it would train alone on each rank."""
+        for i, (p, ptr) in enumerate(zip(self.params, self._ptrs)):
+            if p.data_ptr() != ptr or p.dtype != self.dtype or p.device != self.device:
+                v = self.view(self.param, i)
+                raise RuntimeError(
+                    f"osp: parameter {self.names[i]!r} no longer lives where the optimizer was wrapped around it "
+                    f"(it was {self.dtype} {list(v.shape)} on {self.device} in osp's flat buffer; now it is "
+                    f"{p.dtype} {list(p.shape)} on {p.device}, with storage of its own): model.to(...), "
+                    ".half(), .float() or `p.data = ...` after wrapping. Convert or move the model first, then "
+                    "build and wrap the optimizer")
 
     def touched(self, block_mask: torch.Tensor) -> List[int]:
         """Indices of the parameters that have an element in a block where ``block_mask`` is set
@@ -93,3 +127,46 @@ class Workspace:
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._bufs.values())
+
+
+class EditProbe:
+    """Notices parameters changed between steps while an exact correction is pending (a weight clamp,
+    ``load_state_dict``, ...), which the correction would silently overwrite. Two signs: a parameter's
+    own version counter (in-place ops on it, ``copy_``), and a sample of the values, the first
+    ``SAMPLE`` elements of every ``chunk`` (edits through ``p.data``, which has a counter of its own; an
+    edit confined to unsampled elements can pass unnoticed). Costs a copy of 1/64 of the parameters
+    per step."""
+
+    SAMPLE = 64
+
+    def __init__(self, groups: List[FlatGroup], chunk: Optional[int] = None):
+        self.groups, self.chunk = groups, chunk
+        self._samples: Optional[List[torch.Tensor]] = None
+        self._versions: List[int] = []
+
+    def _view(self, fg: FlatGroup) -> torch.Tensor:
+        chunk = min(self.chunk or fg.block_size, fg.padded)
+        n, k = fg.padded // chunk, min(self.SAMPLE, chunk)
+        return fg.param.as_strided((n, k), (chunk, 1))
+
+    def record(self) -> None:
+        self._samples = [self._view(fg).clone() for fg in self.groups]
+        self._versions = [sum(p._version for p in fg.params) for fg in self.groups]
+
+    def clear(self) -> None:
+        self._samples = None
+
+    def edited(self, masks: Optional[List[torch.Tensor]] = None) -> torch.Tensor:
+        """Whether a parameter changed since ``record()`` (where ``masks``, per group one flag per
+        chunk, is set: elsewhere a change is allowed): a device bool, no sync."""
+        out = torch.zeros((), dtype=torch.bool, device=self.groups[0].device)
+        if self._samples is None:
+            return out
+        for i, (fg, old) in enumerate(zip(self.groups, self._samples)):
+            if sum(p._version for p in fg.params) != self._versions[i]:
+                return torch.ones((), dtype=torch.bool, device=fg.device)
+            diff = (self._view(fg) != old).any(dim=1)
+            if masks is not None:
+                diff = diff & masks[i]
+            out = out | diff.any()
+        return out

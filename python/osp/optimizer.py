@@ -11,6 +11,8 @@ checkpoint envelope); each mode's logic lives in ``osp/modes/<mode>.py``.
 """
 from __future__ import annotations
 
+import itertools
+import sys
 import time
 import warnings
 import weakref
@@ -23,8 +25,10 @@ import torch
 from . import ops
 from .comm import Comm, get_comm
 from .layout import FlatGroup
-from .modes.base import Context, Mode, Options
+from .modes.base import Context, Mode, Options, StepInput
 from .modes.osp import OSP
+
+_UIDS = itertools.count()  # optimizers built in this process: names their collectives apart
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -81,17 +85,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._patch_step_function()
         self.comm: Comm = get_comm(backend)
         names = self._names(named_parameters)
-        self._check_same_everywhere(names)
+        uid = next(_UIDS)
+        self._check_same_everywhere(names, uid)
         self._build_groups(names)
         self._group_shape = self._param_group_shape()
         self._fresh = False  # a backward ran since the last step
+        # the backward passes of the coming step: per parameter, how many reached it, and the version of
+        # its gradient after the last one (a gradient zeroed or replaced since starts a new accumulation)
+        self._where = {p: (fg, i) for fg in self.groups for i, p in enumerate(fg.params)}
+        self._passes: Dict[torch.nn.Parameter, int] = {}
+        self._seen: Dict[torch.nn.Parameter, int] = {}
+        self._backwards = 0  # backward passes of the coming step that reached this optimizer
+        self._task: Optional[int] = None  # the autograd graph task this optimizer last saw
+        self._versions: Optional[List[int]] = None  # gradient versions when the step's backward ended
+        self._max_norm: Optional[float] = None  # clip_grad_norm_ asked for the coming step
+        self._warned_grad_change = False
         self._t_end: Optional[float] = None
         self._history: List[dict] = []
         self._totals = {"steps": 0, "skipped_steps": 0}
         ref = weakref.ref(self)
         self._ctx = Context(optimizer=optimizer, groups=self.groups, comm=self.comm, timeout=self.timeout,
-                            passes_per_step=backward_passes_per_step,
-                            on_synced=lambda ref=ref: ref()._synced_now())
+                            on_synced=lambda ref=ref: ref()._synced_now(), prefix=f"osp{uid}")
         self.mode: Mode = sync.build(self._ctx)
         # the hooks hold the optimizer weakly: a dropped optimizer must not keep reacting to backward
         # (e.g. starting collectives) when the model is wrapped again
@@ -174,10 +188,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                              "named_parameters; pass model.named_parameters() of the same model")
         return {p: by_id[id(p)] for p in params}
 
-    def _check_same_everywhere(self, names) -> None:
+    def _check_same_everywhere(self, names, uid: int) -> None:
         """Every rank must wrap the same parameters with the same options: compare signatures with
         one allgather, and raise the same error on every rank (never hang, never diverge)."""
-        sig = {"sync": repr(self.sync), "bpps": self.backward_passes_per_step,
+        sig = {"sync": repr(self.sync), "bpps": self.backward_passes_per_step, "uid": uid,
                "params": [(gi, names[p], tuple(p.shape), str(p.dtype), p.requires_grad)
                           for gi, g in enumerate(self.optimizer.param_groups) for p in g["params"]]}
         sigs = self.comm.allgather_object(sig)
@@ -187,6 +201,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if other["sync"] != sigs[0]["sync"] or other["bpps"] != sigs[0]["bpps"]:
                 raise ValueError(f"osp: ranks disagree on the options: rank 0 has {sigs[0]['sync']}, "
                                  f"rank {r} has {other['sync']}")
+            if other["uid"] != sigs[0]["uid"]:
+                raise ValueError(
+                    f"osp: ranks built different numbers of osp optimizers before this one (rank 0 is at its "
+                    f"optimizer {sigs[0]['uid']}, rank {r} at {other['uid']}); every rank must build the same "
+                    "optimizers in the same order, as their collectives are matched by name")
             a, b = sigs[0]["params"], other["params"]
             for x, y in zip(a, b):
                 if x != y:
@@ -202,10 +221,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"osp: all parameters must be on one device, got {sorted(map(str, devices))}")
         bs = self.sync.block_size
         self.groups: List[FlatGroup] = []
+        self._outside = []  # (name, param): frozen when wrapped, so not synchronized
         for gi, g in enumerate(self.optimizer.param_groups):
             by_dtype: Dict[torch.dtype, list] = {}
             for p in g["params"]:
                 if not p.requires_grad:
+                    self._outside.append((names[p], p))
                     continue
                 if p.dtype not in ops.DTYPES:
                     raise ValueError(f"osp: parameter {names[p]!r} is {p.dtype}; osp handles "
@@ -220,8 +241,51 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # -- backward hooks ---------------------------------------------------------------------------
     def _on_grad(self, p: torch.Tensor) -> None:
+        """A backward pass accumulated ``p``'s gradient."""
+        task = torch._C._current_graph_task_id()
+        if task != self._task:  # this backward's first gradient here: finish the pass when it ends
+            self._task = task
+            ref = weakref.ref(self)
+            torch.autograd.Variable._execution_engine.queue_callback(
+                lambda: ref() is not None and ref()._end_backward())
         self._fresh = True
-        self.mode.on_grad(p)
+        fg, i = self._where[p]
+        alias, n = fg.grad_views[i], self._passes.get(p, 0)
+        if n and (p.grad is not alias or alias._version != self._seen[p] + 1):
+            # zeroed, set to None or replaced since its last backward (e.g. a GAN's D.zero_grad() after
+            # G's backward ran through D): the step's accumulation starts again
+            self._restart()
+            n = 0
+        if p.grad is not alias and p.grad.layout == torch.strided:  # sparse ones raise in step()
+            fg.gather_grads([p])
+            fg.absent.discard(i)
+        n += 1
+        if n > self.backward_passes_per_step:
+            self._task = None
+            raise RuntimeError(
+                f"osp: parameter {fg.names[i]!r} got a gradient from {n} backward passes since the last step(), "
+                f"more than backward_passes_per_step={self.backward_passes_per_step}. Call step() after each "
+                "backward, zero the gradients before the next one, or raise backward_passes_per_step to "
+                "accumulate gradients locally")
+        self._passes[p] = n
+        self._seen[p] = alias._version
+        if n == self.backward_passes_per_step:
+            self.mode.on_ready(p)
+
+    def _end_backward(self) -> None:
+        self._task = None
+        self._backwards += 1
+        if self._backwards >= self.backward_passes_per_step:
+            self.mode.end_backward()
+            self._versions = [a._version for fg in self.groups for a in fg.grad_views]
+
+    def _restart(self) -> None:
+        self.mode.restart()
+        self._passes.clear()
+        self._backwards = 0
+        self._versions = None
+        for fg in self.groups:
+            fg.absent.clear()
 
     def _synced_now(self) -> None:
         if self.on_synced is not None:
@@ -229,15 +293,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # -- public API -------------------------------------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the gradients. They stay views into the flat gradient buffer (``set_to_none`` is
-        accepted for compatibility; a cleared view costs nothing and saves a copy next step)."""
-        self.mode.ready_for_zero_grad()
+        """Zero the gradients (``set_to_none``: ``p.grad = None``, as ``torch.optim`` does; a parameter
+        whose gradient stays None on every rank is then left alone by the step). Starts a new
+        accumulation, whatever the backward passes since the last step."""
+        self._restart()
+        self._fresh = False
         for fg in self.groups:
-            fg.zero_grad()
+            fg.zero_grad(set_to_none)
 
     def synchronize(self) -> None:
-        """BSP: finish averaging the gradients now (e.g. to clip them), then call ``step()`` inside
-        ``skip_synchronize()``. Horovod's contract."""
+        """BSP: make sure ``.grad`` holds the average (it does once the step's last backward pass has
+        returned); Horovod's contract, with ``skip_synchronize()``."""
         self._check_fresh()
         self.mode.synchronize()
 
@@ -249,28 +315,117 @@ class DistributedOptimizer(torch.optim.Optimizer):
         finally:
             self._ctx.skip_sync = False
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False):
+        """Clip the gradient by the norm of the *averaged* gradient, as ``torch.nn.utils.clip_grad_norm_``
+        on every rank's averaged ``.grad`` does under DDP. Call between backward and ``step()``.
+
+        BSP: ``.grad`` already holds the average, so this is ``torch.nn.utils.clip_grad_norm_`` over this
+        optimizer's parameters; returns the total norm. OSP and DSync: the average of the deferred part
+        is known only later, so the step records ``max_norm`` (2-norm only) and applies it exactly: the
+        update equals BSP's with the averaged gradient clipped. Returns None there: the norm is not known
+        before the step."""
+        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
+            raise ValueError(f"osp: clip_grad_norm_(max_norm) must be a positive number, got {max_norm!r}")
+        self._check_fresh()
+        if self.mode.grad_is_average:
+            self.mode.synchronize()
+            params = [p for fg in self.groups for p in fg.params if p.grad is not None]
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
+        if float(norm_type) != 2.0:
+            raise ValueError(f"osp: clip_grad_norm_ under {self.sync.name.upper()} clips by the 2-norm of the "
+                             f"averaged gradient; norm_type={norm_type!r} is not supported (use 2.0 or osp.BSP())")
+        self._max_norm = float(max_norm)
+        return None
+
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        # torch.amp.GradScaler: where .grad is this rank's own gradient (OSP, DSync), a scaler must not
+        # skip step() on the ranks that overflowed alone (the others would wait for them): it calls
+        # step() on every rank and osp unscales, skips on every rank alike and tells the scaler so
+        return not self.mode.grad_is_average
+
     def _check_fresh(self):
         if not self._fresh:
-            raise RuntimeError("osp: step() called without a backward pass since the last step(); "
-                               "every step needs new gradients (call loss.backward() first)")
+            raise RuntimeError(
+                "osp: step() called without a backward pass reaching this optimizer's parameters since the "
+                "last step() or zero_grad(); every step needs new gradients (call loss.backward() first). "
+                "If backward did run, the model no longer uses the parameters this optimizer was built with "
+                "(e.g. model.load_state_dict(..., assign=True) or a layer replaced after wrapping): build "
+                "and wrap the optimizer after such changes")
+
+    def _check_model(self) -> None:
+        """The parameters must still be the ones wrapped (views of osp's flat buffers), and a parameter
+        frozen when wrapped (not synchronized) must not have started training."""
+        self._check_param_groups()
+        for fg in self.groups:
+            fg.check_params()
+        for name, p in self._outside:
+            if p.grad is not None:
+                raise RuntimeError(
+                    f"osp: parameter {name!r} has a gradient, but it had requires_grad=False when the optimizer "
+                    "was wrapped, so osp does not synchronize it (each rank would update it with its own "
+                    "gradient). Wrap the optimizer with every parameter that will ever train trainable (freeze "
+                    "it afterwards: a parameter whose gradient is None on every rank is left alone)")
+
+    def _grads_changed(self, allowed: int) -> List[str]:
+        """Parameters whose gradient was changed in place after the step's backward ended, beyond
+        ``allowed`` changes each (a GradScaler's unscale or overflow check)."""
+        if self._versions is None:
+            return []
+        now = [(name, a._version) for fg in self.groups for name, a in zip(fg.names, fg.grad_views)]
+        return [name for (name, v), old in zip(now, self._versions) if v - old > allowed]
 
     @torch.no_grad()
     def step(self, closure=None):
         """One synchronized step (see the class docstring). ``closure`` is not supported."""
         if closure is not None:
             raise ValueError("osp: step(closure) is not supported; call loss.backward() then step()")
-        self._check_param_groups()
+        self._check_model()
         self._check_fresh()
         t0 = time.perf_counter()
-        compute = (t0 - self._t_end) if self._t_end is not None else 0.0
-        rec = self.mode.step(compute)
-        self._fresh = False
-        if rec.get("skipped"):
+        inp = StepInput(compute_s=(t0 - self._t_end) if self._t_end is not None else 0.0,
+                        max_norm=self._max_norm)
+        scaler_state = None
+        if getattr(self, "found_inf", None) is not None and self._step_supports_amp_scaling:
+            scaler, scaler_state = _calling_grad_scaler(self)
+            inp.backward_scale = float(scaler._scale)
+            if self.grad_scale is not None:  # not unscaled yet
+                inp.unscale = float(1.0 / self.grad_scale.double())
+        if not self.mode.grad_is_average and not self._warned_grad_change:
+            changed = self._grads_changed(allowed=1 if scaler_state is not None else 0)
+            if changed:
+                self._warned_grad_change = True
+                warnings.warn(
+                    f"osp: the gradients of {len(changed)} parameter(s) (e.g. {changed[0]!r}) were changed in "
+                    f"place between backward() and step(), e.g. by torch.nn.utils.clip_grad_norm_. Under "
+                    f"{self.sync.name.upper()} .grad holds each rank's own gradient at that point, not the "
+                    "average, so such a change acts on every rank's gradient separately (e.g. clips each by its "
+                    "own norm). To clip by the norm of the averaged gradient, as under DDP, call "
+                    "opt.clip_grad_norm_(max_norm) instead. This warning is shown once.",
+                    RuntimeWarning, stacklevel=3)
+        try:
+            rec = self.mode.step(inp)
+        finally:
+            self._after_step()
+        if scaler_state is not None:  # every rank counts the same overflows, so the scales stay equal
+            for found in scaler_state["found_inf_per_device"].values():
+                found.fill_(1.0 if rec.get("overflow") else 0.0)
+        rec.pop("overflow", None)
+        if rec.get("skipped") and scaler_state is None:  # a GradScaler expects overflows and reports them
             self._warn_skipped()
         t1 = time.perf_counter()
-        rec.update(compute_s=compute, step_s=t1 - t0)
+        rec.update(compute_s=inp.compute_s, step_s=t1 - t0)
         self._record(rec)
         self._t_end = t1
+
+    def _after_step(self) -> None:
+        self._fresh = False
+        self._max_norm = None
+        self._passes.clear()
+        self._backwards = 0
+        self._versions = None
+        for fg in self.groups:
+            fg.absent.clear()
 
     @staticmethod
     def _warn_skipped():
@@ -331,6 +486,37 @@ class DistributedOptimizer(torch.optim.Optimizer):
         else:
             self.optimizer.load_state_dict(state_dict)
         self.mode.after_load()
+
+
+def _calling_grad_scaler(opt):
+    """The ``torch.amp.GradScaler`` whose ``step()`` is calling ``opt.step()``, and its record for
+    ``opt`` (the overflow flags ``update()`` reads). osp makes those flags identical on every rank."""
+    code = torch.amp.GradScaler.step.__code__
+    f = sys._getframe(1)
+    for _ in range(32):
+        if f is None:
+            break
+        if f.f_code is code:
+            scaler, state = f.f_locals.get("self"), f.f_locals.get("optimizer_state")
+            if isinstance(scaler, torch.amp.GradScaler) and isinstance(state, dict) \
+                    and "found_inf_per_device" in state:
+                return scaler, state
+        f = f.f_back
+    raise RuntimeError(
+        "osp: step() was called with a GradScaler's grad_scale and found_inf set, but not from "
+        "torch.amp.GradScaler.step(); osp cannot make the overflow flags equal on every rank. Call "
+        "scaler.step(opt) with a torch.amp.GradScaler")
+
+
+def sync_buffers(module: torch.nn.Module, root_rank: int = 0, backend="auto") -> None:
+    """Make every rank's buffers (BatchNorm running statistics and counters, ...) equal to
+    ``root_rank``'s, as DDP's ``broadcast_buffers`` does before each forward. Call it on every rank,
+    e.g. after ``opt.flush()`` and before evaluating or checkpointing: then ``model.eval()`` predicts
+    alike on every rank."""
+    comm = get_comm(backend)
+    with torch.no_grad():
+        for name, b in module.named_buffers():
+            comm.broadcast_(b, root_rank, f"osp.buffer.{name}")
 
 
 def broadcast_parameters(params, root_rank: int = 0, backend="auto") -> None:

@@ -16,7 +16,9 @@ from typing import List, Sequence
 
 import torch
 
-FIELDS = ("nonfinite", "bandwidth_mbps", "window_ms", "wait_ms", "mask_sum1", "mask_sum2")
+FIELDS = ("nonfinite", "bandwidth_mbps", "window_ms", "wait_ms", "mask_sum1", "mask_sum2", "deferred_sq",
+          "edited")
+# then one field per parameter: 1 where this rank has a gradient for it (summed: present on some rank)
 # Checksums are weighted sums of the mask modulo small primes: integers below 2^11, so their sum over
 # up to 2^13 ranks is exact in fp32. A sum, not an average: exact, and Horovod never fuses it with the
 # averaged stage-1 buffers (fusion would move their reduction boundaries from run to run).
@@ -30,6 +32,9 @@ class Side:
     bandwidth: float  # bytes/s
     window: float  # s
     wait: float  # s
+    deferred_sq: float  # squared 2-norm of the deferred gradient, averaged over ranks (clipping)
+    edited: bool  # some rank's parameters were changed between steps where a correction was pending
+    presence: List[float]  # per parameter: how many ranks have a gradient for it
 
 
 class MaskChecksum:
@@ -46,14 +51,23 @@ class MaskChecksum:
 
 
 def encode(out: torch.Tensor, nonfinite: torch.Tensor, bandwidth: float, window: float, wait: float,
-           checksums: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Fill ``out`` (fp32, ``len(FIELDS)``, on the parameters' device) for this rank."""
+           checksums: Sequence[torch.Tensor], deferred_sq, edited) -> torch.Tensor:
+    """Fill ``out`` (fp32, ``len(FIELDS)`` + one per parameter, on the parameters' device) for this
+    rank; the presence fields are the caller's."""
     out[0].copy_(nonfinite.reshape(()))
     out[1].fill_(bandwidth / 1e6)
     out[2].fill_(window * 1e3)
     out[3].fill_(wait * 1e3)
     out[4].copy_(checksums[0])
     out[5].copy_(checksums[1])
+    if torch.is_tensor(deferred_sq):
+        out[6].copy_(deferred_sq.reshape(()))
+    else:
+        out[6].fill_(float(deferred_sq))
+    if torch.is_tensor(edited):
+        out[7].copy_(edited.reshape(()))
+    else:
+        out[7].fill_(float(edited))
     return out
 
 
@@ -76,5 +90,6 @@ def decode(total: torch.Tensor, own: torch.Tensor, size: int, step: int) -> Side
                 f"rank, {t[i] / size:.3f} on average over {size} ranks); continuing would make the replicas diverge. "
                 "The block scores must be bitwise equal on every rank: check that all ranks run the same "
                 "osp, torch and hardware kind")
+    n = len(FIELDS)
     return Side(nonfinite=t[0] > 0, bandwidth=t[1] / size * 1e6, window=t[2] / size * 1e-3,
-                wait=t[3] / size * 1e-3)
+                wait=t[3] / size * 1e-3, deferred_sq=t[6] / size, edited=t[7] > 0, presence=t[n:])

@@ -201,6 +201,7 @@ def main(argv=None):
             progress.update(epoch, args.epochs, i, steps, loss.item())
         if isinstance(opt, osp.DistributedOptimizer):
             opt.flush()  # exact parameters before evaluating
+            osp.sync_buffers(model, backend=comm)  # equal buffers (BatchNorm statistics) on every rank
         dt = time.perf_counter() - t0
         train_time += dt
         test_loss, test_acc = evaluate(model, x_test, y_test)

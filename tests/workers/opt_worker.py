@@ -433,9 +433,10 @@ def badinput():
         loss = torch.nn.functional.cross_entropy(model(x), y)
         if rank == 0:
             loss = loss + head(x).pow(2).mean()
+        # rank 0's own gradient (under BSP .grad holds the average once backward returns)
+        g0 = torch.autograd.grad(loss, head.weight, retain_graph=True)[0] if rank == 0 else None
         opt.zero_grad()
         loss.backward()
-        g0 = head.weight.grad.detach().clone() if rank == 0 else None
         opt.step()
         opt.flush()
         g0 = comm.broadcast_object(g0, 0)

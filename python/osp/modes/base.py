@@ -5,8 +5,10 @@ user passes as ``sync=`` and which validate themselves, and its runtime (a ``Mod
 options ``build`` for one ``DistributedOptimizer``. The optimizer owns the ``torch.optim`` surface,
 the flat groups and the backward hooks, and calls its mode at four points:
 
-- ``on_grad(p)``: a backward pass produced ``p``'s gradient (a mode may start averaging from here);
-- ``step(compute_s)``: ``optimizer.step()``; returns the step's record for ``stats()``;
+- ``on_ready(p)``: ``p``'s gradient had its last backward pass of the step (a mode may start
+  averaging from here); ``end_backward()``: the step's last backward pass ended; ``restart()``: the
+  gradients were zeroed or replaced since, so the step's accumulation starts again;
+- ``step(inp)``: ``optimizer.step()``; returns the step's record for ``stats()``;
 - ``flush()``: finish everything in flight and apply exact updates (replicas bitwise equal after);
 - ``state_dict()`` / ``load_state_dict()``: the mode's own part of the checkpoint.
 
@@ -28,15 +30,67 @@ _CHECK_BLOCK = 1 << 16  # elements per block of the non-finite scan (spreads it 
 
 
 @dataclass
+class StepInput:
+    """What one ``step()`` is asked to do besides the update."""
+    compute_s: float  # seconds since the previous step returned
+    unscale: Optional[float] = None  # GradScaler: multiply this rank's gradients by this first
+    backward_scale: Optional[float] = None  # GradScaler: the loss scale the backward ran under
+    max_norm: Optional[float] = None  # clip by the 2-norm of the averaged gradient (clip_grad_norm_)
+
+
+@dataclass
 class Context:
     """What a mode works with."""
     optimizer: torch.optim.Optimizer  # the wrapped optimizer (its param groups, state and step)
     groups: List[FlatGroup]
     comm: Comm
     timeout: float  # seconds a collective may take before the step raises TimeoutError
-    passes_per_step: int  # backward passes accumulated locally before each step
     on_synced: Callable[[], None]  # call where replicas are bitwise equal (the public sync callback)
+    prefix: str = "osp"  # names of this optimizer's collectives (unique per optimizer in a process)
     skip_sync: bool = False  # inside DistributedOptimizer.skip_synchronize()
+
+    @property
+    def nparams(self) -> int:
+        return sum(len(fg.params) for fg in self.groups)
+
+    def presence(self, out: torch.Tensor) -> torch.Tensor:
+        """Fill ``out`` (fp32, ``nparams``) with 1 where this rank has a gradient for the parameter."""
+        absent = [i + lo for fg, lo in zip(self.groups, self._starts()) for i in fg.absent]
+        out.fill_(1.0)
+        if absent:
+            out[torch.tensor(absent, dtype=torch.long)] = 0.0
+        return out
+
+    def absent_everywhere(self, total) -> List[set]:
+        """Per flat group, the parameters without a gradient on every rank, from ``presence`` summed
+        over ranks (host values). Meta tensors carry no values: every parameter counts as present."""
+        if self.device.type == "meta":
+            return [set() for _ in self.groups]
+        return [{i for i in range(len(fg.params)) if total[lo + i] == 0}
+                for fg, lo in zip(self.groups, self._starts())]
+
+    def _starts(self) -> List[int]:
+        out, lo = [], 0
+        for fg in self.groups:
+            out.append(lo)
+            lo += len(fg.params)
+        return out
+
+    def scale_grads(self, factor, grads: Optional[List[torch.Tensor]] = None) -> None:
+        """Multiply the flat gradients (or ``grads``) by ``factor`` (a number or a device scalar)."""
+        if factor is not None and (torch.is_tensor(factor) or factor != 1.0):
+            for g in ([fg.grad for fg in self.groups] if grads is None else grads):
+                g.mul_(factor)
+
+    def sq_norm(self, grads: List[torch.Tensor]) -> torch.Tensor:
+        """Sum of squares of ``grads`` in fp32: a device scalar, no sync."""
+        zero = torch.zeros((), dtype=torch.float32, device=self.device)
+        return sum((torch.linalg.vector_norm(g, dtype=torch.float32).square() for g in grads), zero)
+
+    @staticmethod
+    def clip_coef(max_norm: float, sq: torch.Tensor) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_``'s factor for a gradient of squared norm ``sq``."""
+        return (max_norm / (sq.sqrt() + 1e-6)).clamp(max=1.0)
 
     @property
     def nblocks(self) -> int:
@@ -78,15 +132,30 @@ class Mode(abc.ABC):
     def __init__(self, options: Options, ctx: Context):
         self.options, self.ctx = options, ctx
 
-    def on_grad(self, p: torch.Tensor) -> None:
-        """A backward pass produced ``p``'s gradient."""
+    #: after the step's last backward, ``.grad`` holds the average on every rank (as with DDP), so
+    #: gradient clipping and GradScaler work on it as usual; otherwise it holds this rank's own gradient
+    #: and the mode unscales and clips inside ``step()``
+    grad_is_average = False
+
+    def on_ready(self, p: torch.Tensor) -> None:
+        """``p``'s gradient had its last backward pass of the step."""
+        return None
+
+    def end_backward(self) -> None:
+        """The step's last backward pass ended."""
+        return None
+
+    def restart(self) -> None:
+        """The gradients were zeroed or replaced after a backward: drop what this step's backward
+        passes started (every rank does the same)."""
         return None
 
     @abc.abstractmethod
-    def step(self, compute_s: float) -> dict:
-        """The synchronized update. ``compute_s``: seconds since the previous step returned. Returns the
-        step's record: ``critical_fraction``, ``bytes_stage1``, ``bytes_stage2``, ``stage1_s``,
-        ``stage2_wait_s``, and ``skipped`` when the step was skipped on every rank."""
+    def step(self, inp: StepInput) -> dict:
+        """The synchronized update. Returns the step's record: ``critical_fraction``,
+        ``bytes_stage1``, ``bytes_stage2``, ``stage1_s``, ``stage2_wait_s``, ``skipped`` when the step
+        was skipped on every rank, and ``overflow`` for a GradScaler: whether to count an overflow
+        (identical on every rank)."""
 
     def flush(self) -> int:
         """Finish all in-flight work and apply exact updates; returns how many steps this found
@@ -102,10 +171,6 @@ class Mode(abc.ABC):
         raise RuntimeError(f"osp: synchronize() is for BSP; with {type(self.options).__name__} the gradient "
                            "a step applies is only known inside step()")
 
-    def ready_for_zero_grad(self) -> None:
-        """Raise if zeroing the gradients now would corrupt work in flight."""
-        return None
-
     def state_dict(self) -> dict:
         return {}
 
@@ -119,6 +184,15 @@ class Mode(abc.ABC):
     def stats(self) -> dict:
         """Mode-specific figures for ``DistributedOptimizer.stats()``."""
         return {}
+
+
+def edited_error(mode: str) -> RuntimeError:
+    """Parameters were changed between steps while ``mode``'s exact updates were pending."""
+    return RuntimeError(
+        "osp: parameters were changed between steps (in place, e.g. a weight clamp, a projection or "
+        f"model.load_state_dict) while {mode}'s exact updates of earlier steps were pending; they would "
+        "overwrite the change. Call opt.flush() on every rank before changing parameters (then the change "
+        "is kept exactly), or use osp.BSP()")
 
 
 def check_int(owner: str, name: str, value, lo: int, hi: Optional[int] = None) -> int:

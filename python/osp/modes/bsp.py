@@ -3,15 +3,19 @@ from __future__ import annotations
 
 import time
 
+import torch
+
+from .. import sidechannel
 from ..buckets import Buckets
 from ..correction import unhooked_step
-from .base import Context, Mode, Options
+from .base import Context, Mode, Options, StepInput
 
 
 class BSP(Options):
     """Bulk-synchronous parallel: every gradient element is averaged before the update (the
     baseline; matches ``horovod.torch.DistributedOptimizer``). Gradients are averaged in buckets of
-    about ``bucket_mb`` MiB, each started during backward as soon as its gradients are ready."""
+    about ``bucket_mb`` MiB, each started during backward as soon as its gradients are ready; when
+    the step's last backward pass returns, ``.grad`` holds the average on every rank (as with DDP)."""
 
     name = "bsp"
     block_size = None
@@ -29,35 +33,49 @@ class BSP(Options):
 
 
 class BSPMode(Mode):
+    grad_is_average = True
+
     def __init__(self, options: BSP, ctx: Context):
         super().__init__(options, ctx)
-        self.buckets = Buckets(ctx.groups, options.bucket_mb, ctx.comm, ctx.passes_per_step, "osp.bsp")
-        self._synced = None  # seconds synchronize() took, when it ran for the coming step
+        self.buckets = Buckets(ctx.groups, options.bucket_mb, ctx.comm, f"{ctx.prefix}.bsp")
+        self._present = torch.zeros(ctx.nparams, dtype=torch.float32, device=ctx.device)
+        self._synced = None  # seconds the averaging took, once it finished for the coming step
 
-    def on_grad(self, p):
-        self.buckets.on_grad(p)
+    def on_ready(self, p):
+        self.buckets.on_ready(p)
+
+    def end_backward(self):
+        self.synchronize()
+
+    def restart(self):
+        self.buckets.wait(self.buckets.launched, self.ctx.timeout, "gradient allreduce")
+        self.buckets.reset()
+        self._synced = None
 
     @property
     def in_flight(self):
-        return self.buckets.in_flight
-
-    def ready_for_zero_grad(self):
-        if self.buckets.in_flight:
-            raise RuntimeError("osp: zero_grad() while gradient averaging is in flight: call step() "
-                               "(or synchronize()) first")
+        return self.buckets.in_flight and self._synced is None
 
     def synchronize(self) -> None:
+        """Finish averaging (the buckets not started yet count missing gradients as zeros) and learn
+        which parameters have a gradient on no rank: those get ``grad = None``, so the update leaves
+        them alone, as ``torch.optim`` does."""
+        if self._synced is not None:
+            return
         t0 = time.perf_counter()
-        handles = self.buckets.launch(force=True)
-        self.buckets.wait(handles, self.ctx.timeout, "gradient allreduce")
-        self.buckets.reset()
+        ctx = self.ctx
+        handles = list(self.buckets.launch(force=True))
+        handles.append(ctx.comm.allreduce_sum_async_(ctx.presence(self._present), f"{ctx.prefix}.bsp.present"))
+        self.buckets.wait(handles, ctx.timeout, "gradient allreduce")
+        absent = ctx.absent_everywhere(sidechannel.read(self._present))
+        for fg, a in zip(ctx.groups, absent):
+            fg.set_grads(a)
         self._synced = time.perf_counter() - t0
 
-    def step(self, compute_s):
+    def step(self, inp: StepInput):
         rec = {"critical_fraction": 1.0, "bytes_stage1": self.ctx.nbytes, "bytes_stage2": 0,
                "stage2_wait_s": 0.0}
-        if not (self.ctx.skip_sync and self._synced is not None):
-            self.synchronize()
+        self.synchronize()
         rec["stage1_s"] = self._synced
         self._synced = None
         self.buckets.reset()

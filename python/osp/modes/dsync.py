@@ -16,11 +16,12 @@ from typing import Deque, Dict, List, Optional
 
 import torch
 
+from .. import sidechannel
 from ..buckets import Buckets
 from ..comm import Handle
 from ..correction import Snapshot, corrector_for, hyper, unhooked_step
-from ..layout import Workspace
-from .base import Context, Mode, Options, check_int
+from ..layout import EditProbe, Workspace
+from .base import Context, Mode, Options, StepInput, check_int, edited_error
 
 
 class DSync(Options):
@@ -74,6 +75,9 @@ class _Step:
     handles: List[Handle]
     hyper: List[dict]  # every param group's hyper-parameters of that step, by value
     finite: bool  # this rank's gradient was finite (else its provisional update was skipped here)
+    absent: List[set]  # per flat group, its parameters without a gradient on this rank (left alone)
+    unscale: Optional[float] = None  # GradScaler: the average is of gradients scaled by 1 / this
+    max_norm: Optional[float] = None  # clip the average by its 2-norm
     arrived: Optional[int] = None  # steps after its own that its average was seen complete
 
 
@@ -87,7 +91,12 @@ class DSyncMode(Mode):
         self.slots = longest + 1  # averages in flight at most (during a backward)
         self.kept = longest if longest > 1 else 0  # local gradients kept for replays
         self.corrector = corrector_for(ctx.optimizer)
-        self.buckets = Buckets(ctx.groups, options.bucket_mb, ctx.comm, ctx.passes_per_step, "osp.ds")
+        self.buckets = Buckets(ctx.groups, options.bucket_mb, ctx.comm, f"{ctx.prefix}.ds")
+        # per slot: which parameters have a gradient on some rank, and (last) whether some rank's
+        # parameters were changed while a correction was pending; summed with the slot's average
+        self._presence = [torch.zeros(ctx.nparams + 1, dtype=torch.float32, device=ctx.device)
+                          for _ in range(self.slots)]
+        self._probe = EditProbe(ctx.groups, chunk=4096)
         self._ws: Dict[int, Workspace] = {id(fg): Workspace(fg) for fg in ctx.groups}
         self._inflight: Deque[_Step] = collections.deque()
         self._snap: Optional[List[Snapshot]] = None  # the exact state before the oldest step in flight
@@ -107,22 +116,30 @@ class DSyncMode(Mode):
         slot = self.t % self.slots
         self.buckets.reset(dest=lambda fg, slot=slot: self._buf(fg, "avg", slot), tag=f".{slot}")
 
-    def on_grad(self, p):
-        self.buckets.on_grad(p)
+    def on_ready(self, p):
+        self.buckets.on_ready(p)
+
+    def restart(self):
+        self.buckets.wait(self.buckets.launched, self.ctx.timeout, "delayed gradient allreduce")
+        self._arm()
 
     @property
     def in_flight(self):
         return bool(self._inflight)
 
-    def ready_for_zero_grad(self):
-        if self.buckets.in_flight:
-            raise RuntimeError("osp: zero_grad() after this step's backward already started averaging "
-                               "its gradient: call step() first")
-
     # -- the step -------------------------------------------------------------------------------
-    def step(self, compute_s):
+    def step(self, inp: StepInput):
         ctx = self.ctx
         handles = list(self.buckets.launch(force=True))  # a bucket without gradients averages zeros
+        slot = self.t % self.slots
+        ctx.presence(self._presence[slot][:-1])
+        self._presence[slot][-1:].copy_(self._probe.edited().reshape(1))
+        handles.append(ctx.comm.allreduce_sum_async_(self._presence[slot], f"{ctx.prefix}.ds.{slot}.present"))
+        absent = [set(fg.absent) for fg in ctx.groups]
+        # the provisional update uses this rank's own gradient, unscaled and clipped by its own norm
+        ctx.scale_grads(inp.unscale)
+        if inp.max_norm is not None:
+            ctx.scale_grads(ctx.clip_coef(inp.max_norm, ctx.sq_norm([fg.grad for fg in ctx.groups])))
         finite = not ctx.any_nonfinite()
         self._observe()
         if self.options.delay == "auto":
@@ -136,7 +153,8 @@ class DSyncMode(Mode):
             if s.arrived is None:  # it had to be waited for: a longer delay would have hidden it
                 self._ages.append(self.t - s.index + (1 if time.perf_counter() - t0 > 1e-4 else 0))
         rec["stage2_wait_s"] = time.perf_counter() - t0
-        rec["skipped"] = self._apply(due) if due else 0
+        skipped = self._apply(due) if due else 0
+        rec.update(skipped=skipped, overflow=skipped > 0)
         t1 = time.perf_counter()
         replayed = self._replay() if due else 0
         rec["replay_s"] = time.perf_counter() - t1
@@ -146,16 +164,20 @@ class DSyncMode(Mode):
         self.corrector.set_step_count(ctx.groups, [c + replayed for c in self._count]
                                       if due else None)
         # the provisional update with this rank's own gradient
+        for fg, a in zip(ctx.groups, absent):
+            fg.set_grads(a)
         if finite:
             unhooked_step(ctx.optimizer)
             self.corrector.adopt(ctx.groups)
+        self._probe.record()
         local = self.t % self.kept if self.kept else -1
         if self.kept:  # the slot's previous step has landed: it was due by now
             for fg in ctx.groups:
                 self._buf(fg, "local", local).copy_(fg.grad)
-        self._inflight.append(_Step(index=self.t, slot=self.t % self.slots, local=local, handles=handles,
-                                    finite=finite,
-                                    hyper=[hyper(g) for g in ctx.optimizer.param_groups]))
+        self._inflight.append(_Step(index=self.t, slot=slot, local=local, handles=handles, finite=finite,
+                                    hyper=[hyper(g) for g in ctx.optimizer.param_groups], absent=absent,
+                                    unscale=None if inp.backward_scale is None else 1.0 / inp.backward_scale,
+                                    max_norm=inp.max_norm))
         self.t += 1
         self._arm()
         return rec
@@ -182,14 +204,29 @@ class DSyncMode(Mode):
         for s in due:
             self._inflight.popleft()
             avgs = [self._buf(fg, "avg", s.slot) for fg in ctx.groups]
+            total = sidechannel.read(self._presence[s.slot])
+            if total[-1] > 0:
+                raise edited_error("DSync")
+            ctx.scale_grads(s.unscale, avgs)
             if ctx.any_nonfinite(avgs):
                 skipped += 1
                 continue
+            if s.max_norm is not None:
+                ctx.scale_grads(ctx.clip_coef(s.max_norm, ctx.sq_norm(avgs)), avgs)
+            absent = ctx.absent_everywhere(total)
             for i, (snap, fg) in enumerate(zip(self._snap, ctx.groups)):
                 snap.hyper = s.hyper[fg.group_index]
                 snap.step = self._count[i] + 1
+            held = []
+            if any(absent):  # parameters without a gradient on any rank keep their values from before
+                self.corrector.restore(self._snap)
+                held = [self.corrector.hold(fg, a) for fg, a in zip(ctx.groups, absent) if a]
             self.corrector.correct(list(zip(self._snap, avgs)))
-            self._snap = self.corrector.advance(self._snap)  # now the exact state before the next step
+            if held:
+                self.corrector.restore(held)
+                self._snap = [self.corrector.snapshot(fg, m, fg.padded, {}) for fg, m in zip(ctx.groups, self._none)]
+            else:
+                self._snap = self.corrector.advance(self._snap)  # now the exact state before the next step
             self._count = [c + 1 for c in self._count]
             exact = True
         if not exact:  # the snapshot is still the exact state: put it back
@@ -205,11 +242,14 @@ class DSyncMode(Mode):
             if not s.finite:
                 continue
             items = [(fg, self._buf(fg, "local", s.local)) for fg in self.ctx.groups]
+            held = [self.corrector.hold(fg, a) for fg, a in zip(self.ctx.groups, s.absent) if a]
             self.corrector.replay(items, s.hyper, [c + n + 1 for c in self._count])
+            self.corrector.restore(held)
             n += 1
         return n
 
     def flush(self):
+        self._probe.clear()
         skipped = 0
         if self._inflight:
             due = list(self._inflight)

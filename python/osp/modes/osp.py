@@ -10,9 +10,9 @@ import torch
 from .. import ops, sidechannel
 from ..comm import Handle
 from ..correction import Snapshot, corrector_for, hyper, unhooked_step
-from ..layout import FlatGroup, Workspace
+from ..layout import EditProbe, FlatGroup, Workspace
 from ..policy import Budget, select_critical
-from .base import Context, Mode, Options, check_share
+from .base import Context, Mode, Options, StepInput, check_share, edited_error
 
 _MAX_BLOCK = 1 << 30
 
@@ -82,7 +82,19 @@ class _Deferred:
     """Stage 2 of one flat group in flight, and what its exact update needs."""
     snap: Snapshot
     lo: int
-    handle: Handle
+    handle: Optional[Handle]  # None: no deferred block in this group (it is here for clipping)
+    avg: torch.Tensor  # the deferred blocks, packed: averaged in place by ``handle``
+    mask: torch.Tensor  # the group's critical blocks of that step
+    absent: set  # its parameters without a gradient on any rank that step: left alone
+    full: Optional[torch.Tensor] = None  # with clipping: the whole gradient (critical blocks averaged)
+
+
+@dataclass
+class _Clip:
+    """Clipping by the norm of the averaged gradient, pending on stage 2: the step's update is redone
+    for every block once the deferred part of the norm is known."""
+    max_norm: float
+    crit_sq: torch.Tensor  # squared norm of the averaged critical blocks (identical on every rank)
 
 
 class OSPMode(Mode):
@@ -94,13 +106,16 @@ class OSPMode(Mode):
         self.corrector = corrector_for(ctx.optimizer)
         dev = ctx.device
         self.nblocks = ctx.nblocks
-        self._side = torch.zeros(len(sidechannel.FIELDS), dtype=torch.float32, device=dev)
+        self._side = torch.zeros(len(sidechannel.FIELDS) + ctx.nparams, dtype=torch.float32, device=dev)
         self._side_own = torch.zeros_like(self._side)
         self._mask = torch.ones(self.nblocks, dtype=torch.bool, device=dev)
         self._checksum = sidechannel.MaskChecksum(self.nblocks, dev)
         self._ws: Dict[int, Workspace] = {id(fg): Workspace(fg) for fg in ctx.groups}
+        self._none = [torch.zeros(fg.nblocks, dtype=torch.bool, device=dev) for fg in ctx.groups]
+        self._probe = EditProbe(ctx.groups)
         self.scores: Optional[torch.Tensor] = None  # block scores of the last averaged gradient
         self._pending: List[_Deferred] = []
+        self._clip: Optional[_Clip] = None
         self._steps = 0
 
     @property
@@ -138,32 +153,41 @@ class OSPMode(Mode):
         ops.merge_blocks(scores, None, mask, 1, self.scores[lo:lo + fg.nblocks])
 
     # -- the step -------------------------------------------------------------------------------
-    def step(self, compute_s):
+    def step(self, inp: StepInput):
         ctx = self.ctx
         for fg in ctx.groups:
             fg.gather_grads()
+        ctx.scale_grads(inp.unscale)
+        # parameters changed since the last step where a correction is pending: refused on every rank
+        # (after the corrections, so the ranks stay equal), as the correction overwrites such a change
+        edited = self._probe.edited([~m for m in self._pending_masks()])
         wait_s = self._finish_deferred()
         ctx.on_synced()
         counts = self._select()
-        # the time stage 2 had to hide in: from its launch to this step's wait for it (the compute
-        # between steps plus the rest of the previous step); before any stage 2, the compute alone
-        window = self.budget.window if self.budget.window is not None else compute_s
-        sidechannel.encode(self._side, ctx.nonfinite(), self.budget.bw_sample, window, wait_s,
-                           self._checksum(self._mask))
-        self._side_own.copy_(self._side)
-        # stage 1: the side channel and the critical blocks, averaged before the update
-        t1 = time.perf_counter()
-        side_h = ctx.comm.allreduce_sum_async_(self._side, "osp.side")
         splits, lo = [], 0
-        for gi, (fg, kc) in enumerate(zip(ctx.groups, counts)):
+        for fg, kc in zip(ctx.groups, counts):
             ws = self._ws[id(fg)]
             s = _Split(fg=fg, lo=lo, mask=self._mask[lo:lo + fg.nblocks], ncrit=kc,
                        crit=ws("crit", kc * fg.block_size),
                        deferred=ws("deferred", (fg.nblocks - kc) * fg.block_size))
             ops.split_blocks(fg.grad, s.mask, fg.block_size, s.crit, s.deferred)
-            s.handle = ctx.comm.allreduce_avg_async_(s.crit, f"osp.s1.{gi}")
             splits.append(s)
             lo += fg.nblocks
+        deferring = any(s.deferred.numel() for s in splits)
+        clip = inp.max_norm is not None
+        # the time stage 2 had to hide in: from its launch to this step's wait for it (the compute
+        # between steps plus the rest of the previous step); before any stage 2, the compute alone
+        window = self.budget.window if self.budget.window is not None else inp.compute_s
+        sidechannel.encode(self._side, ctx.nonfinite(), self.budget.bw_sample, window, wait_s,
+                           self._checksum(self._mask),
+                           ctx.sq_norm([s.deferred for s in splits]) if clip and deferring else 0.0, edited)
+        ctx.presence(self._side[len(sidechannel.FIELDS):])
+        self._side_own.copy_(self._side)
+        # stage 1: the side channel and the critical blocks, averaged before the update
+        t1 = time.perf_counter()
+        side_h = ctx.comm.allreduce_sum_async_(self._side, f"{ctx.prefix}.side")
+        for gi, s in enumerate(splits):
+            s.handle = ctx.comm.allreduce_avg_async_(s.crit, f"{ctx.prefix}.s1.{gi}")
         b1 = b2 = 0
         for s in splits:
             ctx.comm.wait(s.handle, ctx.timeout, "stage-1 allreduce")
@@ -172,50 +196,92 @@ class OSPMode(Mode):
         stage1 = time.perf_counter() - t1
         self._steps += 1
         side = sidechannel.decode(self._side, self._side_own, ctx.comm.size, self._steps)
+        if side.edited:
+            raise edited_error("OSP")
         rec = {"stage2_wait_s": wait_s, "stage1_s": stage1}
         if side.nonfinite:
-            rec.update(critical_fraction=0.0, bytes_stage1=b1, bytes_stage2=0, skipped=True)
+            rec.update(critical_fraction=0.0, bytes_stage1=b1, bytes_stage2=0, skipped=True, overflow=True)
             return rec
+        absent = ctx.absent_everywhere(side.presence)
         self.budget.update(ctx.nbytes, side.bandwidth, side.window, side.wait)
         if self.scores is None:
             self.scores = torch.zeros(self.nblocks, dtype=torch.float32, device=self._mask.device)
         for s in splits:
             ops.merge_blocks(s.crit, None, s.mask, s.fg.block_size, s.fg.grad)
             self._set_scores(s.crit, s.fg, s.mask, s.lo)
+        coef = None
+        if clip:
+            crit_sq = ctx.sq_norm([s.crit for s in splits])
+            # the provisional factor: the deferred part of the norm is estimated by the mean of the
+            # ranks' own deferred norms; the exact factor is applied when stage 2 lands
+            coef = ctx.clip_coef(inp.max_norm, crit_sq + side.deferred_sq)
+            self._clip = _Clip(inp.max_norm, crit_sq) if deferring else None
         # stage 2: deferred blocks, averaged in the background; snapshot what their exact update needs
-        for gi, s in enumerate(splits):
-            if s.deferred.numel() == 0:
+        for gi, (s, a) in enumerate(zip(splits, absent)):
+            if s.deferred.numel() == 0 and not (clip and deferring):
                 continue
             b2 += s.deferred.numel() * s.deferred.element_size()
             group = ctx.optimizer.param_groups[s.fg.group_index]
-            snap = self.corrector.snapshot(s.fg, s.mask, s.deferred.numel(), hyper(group))
-            h = ctx.comm.allreduce_avg_async_(s.deferred, f"osp.s2.{gi}")
-            self._pending.append(_Deferred(snap=snap, lo=s.lo, handle=h))
+            if clip:  # the whole step is redone once the norm is known
+                snap = self.corrector.snapshot(s.fg, self._none[gi], s.fg.padded, hyper(group))
+                full = self._ws[id(s.fg)]("full").copy_(s.fg.grad)
+            else:
+                snap, full = self.corrector.snapshot(s.fg, s.mask, s.deferred.numel(), hyper(group)), None
+            h = ctx.comm.allreduce_avg_async_(s.deferred, f"{ctx.prefix}.s2.{gi}") if s.deferred.numel() else None
+            self._pending.append(_Deferred(snap=snap, lo=s.lo, handle=h, avg=s.deferred, mask=s.mask.clone(),
+                                           absent=a, full=full))
             self.budget.stage2_launched()
         # LGP: the local update with the provisional gradient (averaged on critical blocks, this
-        # rank's own on deferred ones)
+        # rank's own on deferred ones); parameters without a gradient on any rank are left alone
+        ctx.scale_grads(coef)
+        for fg, a in zip(ctx.groups, absent):
+            fg.set_grads(a)
         unhooked_step(ctx.optimizer)
         self.corrector.adopt(ctx.groups)
+        if self._pending:
+            self._probe.record()
         self.budget.stage1_done(b1, stage1, ctx.nbytes)
-        rec.update(critical_fraction=b1 / max(ctx.nbytes, 1), bytes_stage1=b1, bytes_stage2=b2)
+        rec.update(critical_fraction=b1 / max(ctx.nbytes, 1), bytes_stage1=b1, bytes_stage2=b2, overflow=False)
         return rec
+
+    def _pending_masks(self) -> Optional[List[torch.Tensor]]:
+        """Per flat group, its critical blocks of the step whose correction is pending (a change there
+        is kept: those blocks are exact already); with clipping every block is redone."""
+        if self._clip is not None:
+            return [torch.zeros(fg.nblocks, dtype=torch.bool, device=fg.device) for fg in self.ctx.groups]
+        by_group = {id(d.snap.fg): d.mask for d in self._pending}
+        return [by_group.get(id(fg), torch.ones(fg.nblocks, dtype=torch.bool, device=fg.device))
+                for fg in self.ctx.groups]
 
     def _finish_deferred(self) -> float:
         """Wait for the previous step's stage 2 and replace the provisional update of its deferred
         blocks by the exact one. Afterwards every rank holds bitwise the same parameters and state."""
+        self._probe.clear()
         if not self._pending:
             return 0.0
         t0 = time.perf_counter()
         self.budget.stage2_awaited()
         for d in self._pending:
-            self.ctx.comm.wait(d.handle, self.ctx.timeout, "stage-2 allreduce")
+            if d.handle is not None:
+                self.ctx.comm.wait(d.handle, self.ctx.timeout, "stage-2 allreduce")
         wait = time.perf_counter() - t0
-        self.corrector.correct([(d.snap, d.handle.tensor) for d in self._pending])
+        items = [(d.snap, d.avg) for d in self._pending]
+        if self._clip is not None:  # the exact factor, from the whole averaged gradient's norm
+            sq = self._clip.crit_sq + self.ctx.sq_norm([d.avg for d in self._pending])
+            coef = self.ctx.clip_coef(self._clip.max_norm, sq)
+            for d in self._pending:
+                ops.merge_blocks(None, d.avg, d.mask, d.snap.fg.block_size, d.full)
+                d.full.mul_(coef)
+            items = [(d.snap, d.full) for d in self._pending]
+        held = [self.corrector.hold(d.snap.fg, d.absent) for d in self._pending if d.absent]
+        self.corrector.correct(items)
+        self.corrector.restore(held)
         # scored after the corrections: with "relative", |w| must be the exact (shared) parameters,
         # not this rank's provisional ones, or ranks would pick different blocks next step
         for d in self._pending:
-            self._set_scores(d.handle.tensor, d.snap.fg, ~d.snap.mask, d.lo)
+            self._set_scores(d.avg, d.snap.fg, ~d.mask, d.lo)
         self._pending = []
+        self._clip = None
         return wait
 
     def flush(self):

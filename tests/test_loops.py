@@ -1,0 +1,43 @@
+"""Training loops as users write them, on 2 real ranks with both engines and every mode: clipping,
+GradScaler (an overflow on one rank only), freezing after wrapping, a GAN with two optimizers,
+in-place parameter edits, BatchNorm buffers and changes to the model after wrapping. Each pattern
+is compared with plain torch.optim on the rank-averaged gradient and replicas must be bitwise equal
+(tests/workers/loops_worker.py)."""
+import glob
+import json
+import os
+
+import pytest
+
+import launch
+
+WORKER = os.path.join(launch.HERE, "workers", "loops_worker.py")
+COMMON = ["clip/equals_clip_of_average", "clip/replicas_equal", "clip/direct_clip_warned_once"] + [
+    f"{s}/{c}" for s in ("scaler", "scaler_unscale_clip")
+    for c in ("skips_the_overflow_step_everywhere", "replicas_equal", "scales_equal", "scale_backed_off")] + [
+    "freeze/frozen_layer_does_not_move", "freeze/equals_torch_optim", "freeze/replicas_equal",
+    "gan/replicas_equal", "edit/clamp_after_flush_kept_exactly", "edit/replicas_equal",
+    "buffers/differ_without_sync", "buffers/eval_equal_after_sync"] + [
+    f"after_wrap/{c}" for c in ("double", "half", "assign", "unfrozen", "add_param_group")]
+EXPECTED = {
+    "bsp": COMMON + ["clip/grad_is_average_after_backward", "gan/equals_bsp_reference"],
+    "osp": COMMON + ["edit/unflushed_refused_data", "edit/unflushed_refused_inplace",
+                     "edit/load_state_dict_unflushed_refused"],
+}
+EXPECTED["dsync"] = EXPECTED["osp"]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("mode", ["bsp", "osp", "dsync"])
+@pytest.mark.parametrize("backend", ["horovod", "torch"])
+def test_training_loops(backend, mode, tmp_path):
+    launcher = "horovod" if backend == "horovod" else "spawn"
+    proc = launch.run(launcher, 2, [WORKER, mode, backend, str(tmp_path)], timeout=300)
+    launch.check(proc)
+    results = [json.loads(open(f).read()) for f in sorted(glob.glob(str(tmp_path / "rank*.json")))]
+    assert len(results) == 2, proc.stdout[-3000:]
+    for r in results:
+        assert not r["errors"], r["errors"]
+        failed = {k: v["detail"] for k, v in r["checks"].items() if not v["ok"]}
+        assert not failed, f"rank {r['rank']}: {failed}"
+        assert sorted(r["checks"]) == sorted(EXPECTED[mode])

@@ -1,0 +1,419 @@
+"""Rank program for the training-loop tests: everyday patterns on real ranks, against a reference.
+
+Usage: loops_worker.py MODE BACKEND OUTDIR   (MODE: bsp, osp or dsync)
+
+The reference is plain ``torch.optim`` on the rank-averaged gradient, simulated in one process: every
+rank's gradient is recomputed from every rank's data at the shared weights. With a loss that is linear
+in the weights the gradient does not depend on them, so that reference is exact for every mode (OSP and
+DSync evaluate gradients at provisional weights). Results go to OUTDIR/rank<R>.json as named checks.
+"""
+import json
+import os
+import re
+import sys
+import traceback
+import warnings
+
+import torch
+
+import osp
+from osp.launcher import init_from_env
+
+mode, backend, outdir = sys.argv[1], sys.argv[2], sys.argv[3]
+if os.environ.get("OSP_TEST_STORE"):
+    import datetime
+
+    torch.distributed.init_process_group(
+        "gloo", init_method="file://" + os.environ["OSP_TEST_STORE"], rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]), timeout=datetime.timedelta(seconds=60))
+    comm = osp.comm.TorchComm()
+else:
+    comm = init_from_env(backend, timeout_s=60)
+rank, size = comm.rank, comm.size
+torch.set_num_threads(1)
+results = {"rank": rank, "size": size, "checks": {}, "errors": {}}
+STEPS = 6
+
+
+def check(name, ok, detail=""):
+    results["checks"][name] = {"ok": bool(ok), "detail": str(detail)[:2000]}
+
+
+def sync():
+    return {"bsp": osp.BSP(bucket_mb=0.0005), "osp": osp.OSP(critical=0.3, block_size=16),
+            "dsync": osp.DSync(delay=2, bucket_mb=0.0005)}[mode]
+
+
+def wrap(opt, model, **kw):
+    return osp.DistributedOptimizer(opt, model.named_parameters(), sync=sync(), backend=backend, timeout=60, **kw)
+
+
+def linear_model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 3))
+
+
+def coeffs(model, step, r):
+    """Rank ``r``'s loss at ``step``: sum of coefficient * weight, so the gradient is the coefficients."""
+    g = torch.Generator().manual_seed(7919 * step + 31 * r + 1)
+    return [torch.randn(p.shape, generator=g) * (1 + 3 * (i == 0)) for i, p in enumerate(model.parameters())]
+
+
+def linear_loss(model, step, r=None):
+    return sum((p * c).sum() for p, c in zip(model.parameters(), coeffs(model, step, rank if r is None else r)))
+
+
+def averaged(model, step, ranks=None):
+    """The rank-averaged gradient of the linear loss (``ranks``: who contributes; others count as zeros)."""
+    ranks = range(size) if ranks is None else ranks
+    per = [coeffs(model, step, r) for r in ranks]
+    return [sum(c[i] for c in per) / size for i in range(len(per[0]))]
+
+
+def digest(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def equal_everywhere(model):
+    mine = torch.cat([p.detach().flatten() for p in model.parameters()])
+    return all(torch.equal(mine, o) for o in comm.allgather_object(mine))
+
+
+def close(model, ref, tol=1e-5):
+    a = torch.cat([p.detach().flatten() for p in model.parameters()])
+    b = torch.cat([p.detach().flatten() for p in ref.parameters()])
+    return torch.allclose(a, b, rtol=tol, atol=tol), float((a - b).abs().max())
+
+
+def reference_run(make_opt, steps, before_step=None, skip=()):
+    """Plain torch.optim on the averaged linear gradient; ``before_step(ref, step)`` edits the gradient
+    (e.g. clips it); steps in ``skip`` are not taken."""
+    ref = linear_model()
+    ropt = make_opt(ref.parameters())
+    for step in range(steps):
+        if step in skip:
+            continue
+        for p, g in zip(ref.parameters(), averaged(ref, step)):
+            p.grad = g.clone()
+        if before_step is not None:
+            before_step(ref, step)
+        ropt.step()
+    return ref
+
+
+def expect_error(name, pattern, fn, exc=RuntimeError):
+    try:
+        fn()
+    except exc as e:
+        check(name, re.search(pattern, str(e)) is not None, e)
+        return
+    except Exception as e:
+        check(name, False, f"raised {type(e).__name__}: {e}")
+        return
+    check(name, False, "no error raised")
+
+
+SGD = lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=1e-2)  # noqa: E731
+
+
+# -- 1: clipping by the norm of the averaged gradient ------------------------------------------------
+def clipping():
+    max_norm = 1.5
+    model = linear_model()
+    opt = wrap(SGD(model.parameters()), model)
+    grad_is_avg = True
+    for step in range(STEPS):
+        opt.zero_grad()
+        linear_loss(model, step).backward()
+        if mode == "bsp":  # .grad holds the average when backward returns, as with DDP
+            grad_is_avg &= all(torch.allclose(p.grad, g, atol=1e-6) for p, g in zip(model.parameters(),
+                                                                                    averaged(model, step)))
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        else:
+            opt.clip_grad_norm_(max_norm)
+        opt.step()
+    opt.flush()
+    if mode == "bsp":
+        check("clip/grad_is_average_after_backward", grad_is_avg)
+    ref = reference_run(SGD, STEPS, lambda r, s: torch.nn.utils.clip_grad_norm_(r.parameters(), max_norm))
+    ok, diff = close(model, ref)
+    check("clip/equals_clip_of_average", ok, f"max abs diff {diff:.3g}")
+    check("clip/replicas_equal", equal_everywhere(model))
+    # clipping .grad directly: under OSP/DSync that clips each rank's own gradient: warned once
+    model = linear_model()
+    opt = wrap(SGD(model.parameters()), model)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        for step in range(3):
+            opt.zero_grad()
+            linear_loss(model, step).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            opt.step()
+    opt.flush()
+    n = sum("clip_grad_norm_(max_norm) instead" in str(x.message) for x in w)
+    check("clip/direct_clip_warned_once", n == (0 if mode == "bsp" else 1), f"{n} warnings")
+
+
+# -- 3: GradScaler, with an overflow on one rank only -----------------------------------------------
+def scaler(unscale_first):
+    name = "scaler_unscale_clip" if unscale_first else "scaler"
+    model = linear_model()
+    opt = wrap(SGD(model.parameters()), model)
+    sc = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=2)
+    overflow_step = 2
+    scales = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss = linear_loss(model, step)
+        if step == overflow_step and rank == size - 1:
+            loss = loss * float("inf")
+        sc.scale(loss).backward()
+        if unscale_first:
+            sc.unscale_(opt)
+            opt.clip_grad_norm_(100.0)
+        sc.step(opt)
+        sc.update()
+        scales.append(float(sc.get_scale()))
+    opt.flush()
+    # every mode skips the step everywhere; DSync learns of it when the step's average lands, so its
+    # scaler backs off delay steps later
+    ref = reference_run(SGD, STEPS, (lambda r, s: torch.nn.utils.clip_grad_norm_(r.parameters(), 100.0))
+                        if unscale_first else None, skip={overflow_step})
+    ok, diff = close(model, ref)
+    check(f"{name}/skips_the_overflow_step_everywhere", ok, f"max abs diff {diff:.3g}")
+    check(f"{name}/replicas_equal", equal_everywhere(model))
+    all_scales = comm.allgather_object(scales)
+    check(f"{name}/scales_equal", all(s == all_scales[0] for s in all_scales), all_scales)
+    s = all_scales[0]
+    check(f"{name}/scale_backed_off", any(b < a for a, b in zip(s, s[1:])), s)
+
+
+# -- 4: freezing and unfreezing after wrapping -------------------------------------------------------
+def freezing():
+    def loop(model, opt, plain):
+        first = model[0].weight
+        for step in range(STEPS):
+            first.requires_grad_(not (2 <= step < 4))  # frozen for steps 2 and 3
+            opt.zero_grad(set_to_none=True)
+            if plain:  # the reference: averaged gradients, None where frozen
+                for p, g in zip(model.parameters(), averaged(model, step)):
+                    p.grad = None if not p.requires_grad else g.clone()
+            else:
+                linear_loss(model, step).backward()
+            opt.step()
+            if step in (1, 3):
+                if not plain:
+                    opt.flush()  # exact parameters to compare
+                if step == 1:
+                    start = first.detach().clone()
+                else:
+                    frozen_at = first.detach().clone()
+        return start, frozen_at
+
+    model = linear_model()
+    opt = wrap(SGD(model.parameters()), model)
+    start, frozen_at = loop(model, opt, plain=False)
+    opt.flush()
+    ref = linear_model()
+    rstart, rfrozen = loop(ref, SGD(ref.parameters()), plain=True)
+    check("freeze/frozen_layer_does_not_move", torch.equal(start, frozen_at),
+          f"moved by {float((start - frozen_at).abs().max()):.3g}")
+    ok, diff = close(model, ref)
+    check("freeze/equals_torch_optim", ok, f"max abs diff {diff:.3g}")
+    check("freeze/replicas_equal", equal_everywhere(model))
+
+
+# -- 6: several optimizers per process: the textbook GAN loop ---------------------------------------
+def gan():
+    torch.manual_seed(0)
+    netD = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    netG = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+    import copy
+    refD, refG = copy.deepcopy(netD), copy.deepcopy(netG)
+    optD = osp.DistributedOptimizer(torch.optim.Adam(netD.parameters(), lr=1e-2), netD.named_parameters(),
+                                    sync=sync(), backend=backend, backward_passes_per_step=2, timeout=60)
+    optG = osp.DistributedOptimizer(torch.optim.Adam(netG.parameters(), lr=1e-2), netG.named_parameters(),
+                                    sync=sync(), backend=backend, timeout=60)
+    bce = torch.nn.BCEWithLogitsLoss()
+
+    def data(step, r):
+        g = torch.Generator().manual_seed(100 * step + r)
+        return torch.randn(8, 4, generator=g) + 1.0, torch.randn(8, 3, generator=g)
+
+    def d_grads(D, G, step, r):
+        real, z = data(step, r)
+        D.zero_grad()
+        bce(D(real), torch.ones(8, 1)).backward()
+        bce(D(G(z).detach()), torch.zeros(8, 1)).backward()
+        return [p.grad.clone() for p in D.parameters()]
+
+    def g_grads(D, G, step, r):
+        _, z = data(step, r)
+        G.zero_grad()
+        bce(D(G(z)), torch.ones(8, 1)).backward()
+        return [p.grad.clone() for p in G.parameters()]
+
+    rD, rG = torch.optim.Adam(refD.parameters(), lr=1e-2), torch.optim.Adam(refG.parameters(), lr=1e-2)
+    for step in range(STEPS):
+        # osp, as the DCGAN example writes it
+        real, z = data(step, rank)
+        netD.zero_grad()
+        bce(netD(real), torch.ones(8, 1)).backward()
+        fake = netG(z)
+        bce(netD(fake.detach()), torch.zeros(8, 1)).backward()
+        optD.step()
+        netG.zero_grad()
+        bce(netD(fake), torch.ones(8, 1)).backward()  # fills D's gradients too
+        optG.step()
+        # the reference: BSP simulated in one process
+        gs = [d_grads(refD, refG, step, r) for r in range(size)]
+        for i, p in enumerate(refD.parameters()):
+            p.grad = sum(g[i] for g in gs) / size
+        rD.step()
+        gs = [g_grads(refD, refG, step, r) for r in range(size)]
+        for i, p in enumerate(refG.parameters()):
+            p.grad = sum(g[i] for g in gs) / size
+        rG.step()
+    optD.flush()
+    optG.flush()
+    check("gan/replicas_equal", equal_everywhere(netD) and equal_everywhere(netG))
+    if mode == "bsp":
+        okD, dD = close(netD, refD, 1e-4)
+        okG, dG = close(netG, refG, 1e-4)
+        check("gan/equals_bsp_reference", okD and okG, f"max abs diff D {dD:.3g} G {dG:.3g}")
+
+
+# -- 5: in-place edits of parameters between steps --------------------------------------------------
+def edits():
+    c = 0.05
+    model = linear_model()
+    opt = wrap(SGD(model.parameters()), model)
+    clamped = True
+    for step in range(STEPS):
+        opt.zero_grad()
+        linear_loss(model, step).backward()
+        opt.step()
+        if mode != "bsp":
+            opt.flush()  # the supported pattern: exact parameters, then the edit is kept
+        for p in model.parameters():
+            p.data.clamp_(-c, c)
+        clamped &= all(bool((p.detach().abs() <= torch.tensor(c)).all()) for p in model.parameters())
+    opt.flush()
+    ref = linear_model()
+    ropt = SGD(ref.parameters())
+    for step in range(STEPS):
+        for p, g in zip(ref.parameters(), averaged(ref, step)):
+            p.grad = g.clone()
+        ropt.step()
+        for p in ref.parameters():
+            p.data.clamp_(-c, c)
+    ok, diff = close(model, ref)
+    check("edit/clamp_after_flush_kept_exactly", ok and clamped, f"max abs diff {diff:.3g}")
+    check("edit/replicas_equal", equal_everywhere(model))
+    if mode == "bsp":
+        return
+
+    # without flush: refused loudly, on every rank
+    def unflushed(via_data):
+        model = linear_model()
+        opt = wrap(SGD(model.parameters()), model)
+        for step in range(STEPS):
+            opt.zero_grad()
+            linear_loss(model, step).backward()
+            opt.step()
+            for p in model.parameters():
+                if via_data:
+                    p.data.clamp_(-c, c)
+                else:
+                    with torch.no_grad():
+                        p.clamp_(-c, c)
+    for via in (True, False):
+        expect_error(f"edit/unflushed_refused_{'data' if via else 'inplace'}", "parameters were changed between steps",
+                     lambda via=via: unflushed(via))
+    # model.load_state_dict between steps without flush: refused too
+    model = linear_model()
+    opt = wrap(SGD(model.parameters()), model)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def reload():
+        for step in range(4):
+            opt.zero_grad()
+            linear_loss(model, step).backward()
+            opt.step()
+            model.load_state_dict(saved)
+    expect_error("edit/load_state_dict_unflushed_refused", "parameters were changed between steps", reload)
+
+
+# -- 7: buffers (BatchNorm statistics) ---------------------------------------------------------------
+def buffers():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    opt = osp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                   sync=sync(), backend=backend, timeout=60)
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(10 * step + rank)
+        x, y = torch.randn(16, 6, generator=g) * (1 + rank), torch.randint(0, 3, (16,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    opt.flush()
+    model.eval()
+    x = torch.randn(32, 6, generator=torch.Generator().manual_seed(5))
+    before = comm.allgather_object(model(x).detach())
+    check("buffers/differ_without_sync", not all(torch.equal(before[0], b) for b in before))
+    osp.sync_buffers(model, backend=backend)
+    after = comm.allgather_object(model(x).detach())
+    check("buffers/eval_equal_after_sync", all(torch.equal(after[0], a) for a in after))
+
+
+# -- 4: changes to the model after wrapping: a clear error naming the parameter ----------------------
+def after_wrap():
+    def stepped(model, opt, dtype=torch.float32):
+        opt.zero_grad()
+        x = torch.randn(4, 8, dtype=dtype)
+        model(x).sum().backward()
+        opt.step()
+
+    for how in ("double", "half"):
+        model = linear_model()
+        opt = wrap(torch.optim.SGD(model.parameters(), lr=0.1), model)
+        stepped(model, opt)
+        opt.flush()
+        model.to(torch.float64) if how == "double" else model.half()
+        dtype = torch.float64 if how == "double" else torch.float16
+        expect_error(f"after_wrap/{how}", r"parameter '0.weight' no longer lives where the optimizer was wrapped",
+                     lambda model=model, opt=opt, dtype=dtype: stepped(model, opt, dtype))
+    model = linear_model()
+    opt = wrap(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    stepped(model, opt)
+    opt.flush()
+    model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+    expect_error("after_wrap/assign", r"load_state_dict\(\.\.\., assign=True\)", lambda: stepped(model, opt))
+    model = linear_model()
+    model[0].weight.requires_grad_(False)
+    opt = wrap(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    stepped(model, opt)
+    model[0].weight.requires_grad_(True)
+    expect_error("after_wrap/unfrozen", r"parameter '0.weight' has a gradient, but it had requires_grad=False",
+                 lambda: stepped(model, opt))
+    opt.flush()
+    head = torch.nn.Linear(3, 2)
+    expect_error("after_wrap/add_param_group", r"add_param_group\(\) after wrapping is not supported",
+                 lambda: opt.add_param_group({"params": list(head.parameters())}))
+
+
+SCENARIOS = [clipping, lambda: scaler(False), lambda: scaler(True), freezing, gan, edits, buffers, after_wrap]
+for fn in SCENARIOS:
+    try:
+        fn()
+    except Exception:
+        results["errors"][getattr(fn, "__name__", "scenario")] = traceback.format_exc()
+        break  # the ranks may be out of step now: stop here
+with open(os.path.join(outdir, f"rank{rank}.json"), "w") as fh:
+    json.dump(results, fh, indent=1)
+if backend == "horovod":
+    import horovod.torch as hvd
+    hvd.shutdown()
+else:
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()

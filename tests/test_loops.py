@@ -16,7 +16,8 @@ COMMON = ["clip/equals_clip_of_average", "clip/replicas_equal", "clip/direct_cli
     f"{s}/{c}" for s in ("scaler", "scaler_unscale_clip")
     for c in ("skips_the_overflow_step_everywhere", "replicas_equal", "scales_equal", "scale_backed_off")] + [
     "freeze/frozen_layer_does_not_move", "freeze/equals_torch_optim", "freeze/replicas_equal",
-    "gan/replicas_equal", "edit/clamp_after_flush_kept_exactly", "edit/replicas_equal",
+    "gan/replicas_equal", "two_opts/equals_torch_optim", "two_opts/replicas_equal",
+    "edit/clamp_after_flush_kept_exactly", "edit/replicas_equal",
     "buffers/differ_without_sync", "buffers/eval_equal_after_sync"] + [
     f"after_wrap/{c}" for c in ("double", "half", "assign", "unfrozen", "add_param_group")]
 EXPECTED = {

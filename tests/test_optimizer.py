@@ -451,3 +451,18 @@ def test_one_rank_dsync_is_the_plain_optimizer(one_rank, oname, delay):
     for p, q in zip(a.parameters(), b.parameters()):
         for k, v in ref.state[q].items():
             torch.testing.assert_close(opt.state[p][k], v, rtol=1e-5, atol=1e-6, msg=f"state {k!r}")
+
+
+def test_compiled_model_steps_like_the_plain_optimizer(one_rank):
+    """torch.compile on the model: the backward hooks still fire (BSP averages in backward), and every
+    mode with one rank equals the plain optimizer."""
+    for sync in (osp.BSP(), osp.OSP(critical=0.3, block_size=16), osp.DSync(delay=2)):
+        model, ref = tiny_model(), tiny_model()
+        opt = osp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                       model.named_parameters(), sync=sync, backend="torch")
+        compiled = torch.compile(model)
+        local_steps(compiled, opt, 4)
+        opt.flush()
+        local_steps(ref, torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9), 4)
+        for a, b in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-6)

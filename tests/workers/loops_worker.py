@@ -283,6 +283,40 @@ def gan():
         check("gan/equals_bsp_reference", okD and okG, f"max abs diff D {dD:.3g} G {dG:.3g}")
 
 
+def two_optimizers():
+    """One model, one backward, two optimizers (body and head): both average during the same backward,
+    so their collectives are in flight together (Horovod matches them by name)."""
+    def split(m):
+        return [p for n, p in m.named_parameters() if n.startswith("0.")], \
+               [p for n, p in m.named_parameters() if n.startswith("1.")]
+
+    model = linear_model()
+    body, head = split(model)
+    named = dict(model.named_parameters())
+    opts = [osp.DistributedOptimizer(make(ps), [(n, p) for n, p in named.items() if any(p is q for q in ps)],
+                                     sync=sync(), backend=backend, timeout=60)
+            for make, ps in ((SGD, body), (lambda ps: torch.optim.Adam(ps, lr=1e-2), head))]
+    for step in range(STEPS):
+        for o in opts:
+            o.zero_grad()
+        linear_loss(model, step).backward()
+        for o in opts:
+            o.step()
+    for o in opts:
+        o.flush()
+    ref = linear_model()
+    rbody, rhead = split(ref)
+    ropts = [SGD(rbody), torch.optim.Adam(rhead, lr=1e-2)]
+    for step in range(STEPS):
+        for p, g in zip(ref.parameters(), averaged(ref, step)):
+            p.grad = g.clone()
+        for o in ropts:
+            o.step()
+    ok, diff = close(model, ref)
+    check("two_opts/equals_torch_optim", ok, f"max abs diff {diff:.3g}")
+    check("two_opts/replicas_equal", equal_everywhere(model))
+
+
 # -- 5: in-place edits of parameters between steps --------------------------------------------------
 def edits():
     c = 0.05
@@ -402,7 +436,8 @@ def after_wrap():
                  lambda: opt.add_param_group({"params": list(head.parameters())}))
 
 
-SCENARIOS = [clipping, lambda: scaler(False), lambda: scaler(True), freezing, gan, edits, buffers, after_wrap]
+SCENARIOS = [clipping, lambda: scaler(False), lambda: scaler(True), freezing, gan, two_optimizers, edits, buffers,
+             after_wrap]
 for fn in SCENARIOS:
     try:
         fn()

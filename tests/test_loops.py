@@ -15,17 +15,20 @@ WORKER = os.path.join(launch.HERE, "workers", "loops_worker.py")
 COMMON = ["clip/equals_clip_of_average", "clip/replicas_equal", "clip/direct_clip_warned_once"] + [
     f"{s}/{c}" for s in ("scaler", "scaler_unscale_clip")
     for c in ("skips_the_overflow_step_everywhere", "replicas_equal", "scales_equal", "scale_backed_off")] + [
-    "freeze/frozen_layer_does_not_move", "freeze/equals_torch_optim", "freeze/replicas_equal",
+    f"{f}/{c}" for f in ("freeze", "freeze_first_adam", "freeze_first_sgd")
+    for c in ("frozen_layer_does_not_move", "equals_torch_optim", "replicas_equal")] + [
     "gan/replicas_equal", "two_opts/equals_torch_optim", "two_opts/replicas_equal",
     "edit/clamp_after_flush_kept_exactly", "edit/replicas_equal",
     "buffers/differ_without_sync", "buffers/eval_equal_after_sync"] + [
     f"after_wrap/{c}" for c in ("double", "half", "assign", "unfrozen", "add_param_group")]
 EXPECTED = {
-    "bsp": COMMON + ["clip/grad_is_average_after_backward", "gan/equals_bsp_reference"],
+    "bsp": COMMON + ["clip/grad_is_average_after_backward", "gan/equals_bsp_reference",
+                     "two_backwards/raises_after_averaging"],
     "osp": COMMON + ["edit/unflushed_refused_data", "edit/unflushed_refused_inplace",
-                     "edit/load_state_dict_unflushed_refused"],
+                     "edit/load_state_dict_unflushed_refused", "edit/before_flush_refused",
+                     "two_backwards/equals_torch_optim"],
 }
-EXPECTED["dsync"] = EXPECTED["osp"]
+EXPECTED["dsync"] = EXPECTED["osp"] + ["after_wrap/auto_delay_refuses_scaler"]
 
 
 @pytest.mark.multiproc

@@ -109,6 +109,14 @@ class Generic:
         return self._keep(GenericSnapshot(fg=fg, mask=torch.ones(0, dtype=torch.bool), hyper={},
                                           touched=sorted(indices)))
 
+    def hold_from(self, snap: Snapshot, indices) -> "GenericSnapshot":
+        """Like ``hold``, but the values ``snap`` (a snapshot of every block) holds, for ``restore``."""
+        out = GenericSnapshot(fg=snap.fg, mask=torch.ones(0, dtype=torch.bool), hyper={}, touched=sorted(indices))
+        for i in out.touched:
+            out.params[i] = snap.params[i].clone()
+            out.states[i] = _clone_state(snap.states[i])
+        return out
+
     def _keep(self, s: "GenericSnapshot") -> "GenericSnapshot":
         """Copy the parameters ``s.touched`` and their state into ``s``."""
         st = self.optimizer.state
@@ -228,24 +236,28 @@ class _Fused(Generic):
         return self.keys
 
     def fused_ok(self, fg: FlatGroup) -> bool:
+        # the kernels update whole groups: every parameter must have state, or none (a parameter
+        # without a gradient on any rank so far has none)
         group = self.optimizer.param_groups[fg.group_index]
-        return not (group.get("differentiable") or group.get("capturable"))
+        st = self.optimizer.state
+        return not (group.get("differentiable") or group.get("capturable")) \
+            and len({bool(st.get(p)) for p in fg.params}) == 1
 
     def adopt(self, groups: Sequence[FlatGroup]) -> None:
         """Move the optimizer's per-parameter state tensors into flat buffers (views), so the block
-        kernels can pack and correct them; loaded or new state tensors are copied in."""
+        kernels can pack and correct them; loaded or new state tensors are copied in. A parameter
+        without state (no gradient yet on any rank) is skipped."""
         st = self.optimizer.state
         for fg in groups:
-            if not self.has_state(fg):
-                continue
-            flat = self.flat.setdefault(id(fg), {})
             for key in self.state_keys(fg):
-                if key not in flat:
-                    flat[key] = torch.zeros_like(fg.param)
+                flat = self.flat.setdefault(id(fg), {})
                 for i, p in enumerate(fg.params):
-                    if key not in st[p] or st[p][key] is None:
-                        break
-                    t, v = st[p][key], fg.view(flat[key], i)
+                    t = st[p].get(key) if p in st else None
+                    if t is None:
+                        continue
+                    if key not in flat:
+                        flat[key] = torch.zeros_like(fg.param)
+                    v = fg.view(flat[key], i)
                     if t.data_ptr() != v.data_ptr():
                         v.copy_(t)
                         st[p][key] = v
@@ -269,6 +281,24 @@ class _Fused(Generic):
         s.step = self.step_count(fg) + 1
         return s
 
+    def hold_from(self, snap, indices):
+        if not isinstance(snap, FusedSnapshot):
+            return super().hold_from(snap, indices)
+        fg = snap.fg  # a snapshot of every block packs the group in its own layout
+        out = GenericSnapshot(fg=fg, mask=torch.ones(0, dtype=torch.bool), hyper={}, touched=sorted(indices))
+        for i in out.touched:
+            out.params[i] = fg.view(snap.param, i).clone()
+            if any(buf is None for buf in snap.state.values()):
+                out.states[i] = None
+            else:
+                out.states[i] = {k: fg.view(buf, i).clone() for k, buf in snap.state.items()}
+                out.states[i].update(self._scalar_state(snap))
+        return out
+
+    def _scalar_state(self, snap: FusedSnapshot) -> dict:
+        """The per-parameter state a fused snapshot keeps as one number for the group."""
+        return {}
+
     def correct(self, items):
         generic = [(s, a) for s, a in items if not isinstance(s, FusedSnapshot)]
         for s, avg in items:
@@ -278,6 +308,9 @@ class _Fused(Generic):
                     ops.merge_blocks(None, buf, s.mask, s.fg.block_size, self.flat[id(s.fg)][key])
                 ops.merge_blocks(None, s.param, s.mask, s.fg.block_size, s.fg.param)
         self._correct_generic(generic)
+        # the generic path may leave new state tensors (a parameter's first update): link them, as the
+        # group may take the kernels again next time
+        self.adopt([s.fg for s, _ in generic])
 
     def advance(self, snaps):
         # a fused correction computes in the snapshot's own buffers: they hold what it wrote
@@ -289,6 +322,7 @@ class _Fused(Generic):
         for s in snaps:
             if not isinstance(s, FusedSnapshot):
                 self._restore_generic(s)
+                self.adopt([s.fg])
                 continue
             bs = s.fg.block_size
             ops.merge_blocks(None, s.param, s.mask, bs, s.fg.param)
@@ -310,6 +344,7 @@ class _Fused(Generic):
             self._kernel(fg, fg.param, grad, state, step_hyper[fg.group_index], step)
         if generic:
             super().replay(generic, step_hyper, gsteps)
+            self.adopt([fg for fg, _ in generic])
 
     def _kernel(self, fg, param, grad, state, h, step) -> None:
         """One exact optimizer update of ``param`` (packed or whole) with ``grad``; ``state`` holds
@@ -354,6 +389,9 @@ class FusedAdam(_Fused):
 
     def step_count(self, fg):
         return self._step_of(fg.params[0])
+
+    def _scalar_state(self, snap):
+        return {"step": torch.tensor(float(snap.step) - 1.0, dtype=torch.get_default_dtype())}
 
     def set_step_count(self, groups, counts):
         if counts is None:

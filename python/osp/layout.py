@@ -156,13 +156,15 @@ class EditProbe:
     def clear(self) -> None:
         self._samples = None
 
-    def edited(self, masks: Optional[List[torch.Tensor]] = None) -> torch.Tensor:
-        """Whether a parameter changed since ``record()`` (where ``masks``, per group one flag per
-        chunk, is set: elsewhere a change is allowed): a device bool, no sync."""
+    def edited(self, masks: Optional[List[Optional[torch.Tensor]]] = None) -> torch.Tensor:
+        """Whether a parameter changed since ``record()`` where ``masks`` (per group one flag per chunk,
+        or None: the whole group is free to change) is set: a device bool, no sync."""
         out = torch.zeros((), dtype=torch.bool, device=self.groups[0].device)
         if self._samples is None:
             return out
         for i, (fg, old) in enumerate(zip(self.groups, self._samples)):
+            if masks is not None and masks[i] is None:
+                continue
             if sum(p._version for p in fg.params) != self._versions[i]:
                 return torch.ones((), dtype=torch.bool, device=fg.device)
             diff = (self._view(fg) != old).any(dim=1)

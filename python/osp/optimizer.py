@@ -96,8 +96,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._passes: Dict[torch.nn.Parameter, int] = {}
         self._seen: Dict[torch.nn.Parameter, int] = {}
         self._backwards = 0  # backward passes of the coming step that reached this optimizer
+        self._averaged = False  # BSP: the step's last pass ended and .grad holds the average
         self._task: Optional[int] = None  # the autograd graph task this optimizer last saw
-        self._versions: Optional[List[int]] = None  # gradient versions when the step's backward ended
+        self._versions: Optional[List[tuple]] = None  # (is its alias, version) of each gradient when the pass ended
         self._max_norm: Optional[float] = None  # clip_grad_norm_ asked for the coming step
         self._warned_grad_change = False
         self._t_end: Optional[float] = None
@@ -256,6 +257,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
             # G's backward ran through D): the step's accumulation starts again
             self._restart()
             n = 0
+        if self._averaged and self._zeroed_since_averaging(p):
+            self._restart()  # e.g. D's gradients from G's backward, then netD.zero_grad()
+            n = 0
+        if self._averaged:
+            self._task = None
+            raise RuntimeError(
+                f"osp: parameter {fg.names[i]!r} got a gradient from a backward pass after this step's gradients "
+                f"were averaged (its backward_passes_per_step={self.backward_passes_per_step} pass(es) had "
+                "ended). Sum the losses and call backward() once, raise backward_passes_per_step, or call "
+                "step() first. (A backward re-entered inside another, as torch.utils.checkpoint(..., "
+                "use_reentrant=True) does, ends a pass early: use use_reentrant=False.)")
         if p.grad is not alias and p.grad.layout == torch.strided:  # sparse ones raise in step()
             fg.gather_grads([p])
             fg.absent.discard(i)
@@ -277,13 +289,34 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._backwards += 1
         if self._backwards >= self.backward_passes_per_step:
             self.mode.end_backward()
-            self._versions = [a._version for fg in self.groups for a in fg.grad_views]
+            self._averaged = self.mode.grad_is_average
+            # what each gradient was when the pass ended: to tell a zeroed gradient (a new accumulation)
+            # from a changed one (clipping) and from a backward that came too late
+            self._versions = [(p.grad is a, a._version) for fg in self.groups
+                              for p, a in zip(fg.params, fg.grad_views)]
+
+    def _zeroed_since_averaging(self, current: torch.Tensor) -> bool:
+        """Whether a gradient averaged at the end of the step's last pass was since zeroed, set to None
+        or replaced (``current`` just had a backward accumulate into it)."""
+        k = 0
+        for fg in self.groups:
+            for p, alias in zip(fg.params, fg.grad_views):
+                held, v = self._versions[k]
+                k += 1
+                if not held:
+                    continue
+                grown = 1 if p is current else 0
+                if p.grad is not alias or alias._version != v + grown:
+                    return True
+        return False
 
     def _restart(self) -> None:
         self.mode.restart()
         self._passes.clear()
         self._backwards = 0
         self._versions = None
+        self._averaged = False
+        self._max_norm = None
         for fg in self.groups:
             fg.absent.clear()
 
@@ -373,7 +406,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._versions is None:
             return []
         now = [(name, a._version) for fg in self.groups for name, a in zip(fg.names, fg.grad_views)]
-        return [name for (name, v), old in zip(now, self._versions) if v - old > allowed]
+        return [name for (name, v), (_, old) in zip(now, self._versions) if v - old > allowed]
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -405,6 +438,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     RuntimeWarning, stacklevel=3)
         try:
             rec = self.mode.step(inp)
+        except BaseException:
+            if scaler_state is not None:  # the scaler removes them only after a step that returned
+                self.__dict__.pop("grad_scale", None)
+                self.__dict__.pop("found_inf", None)
+            raise
         finally:
             self._after_step()
         if scaler_state is not None:  # every rank counts the same overflows, so the scales stay equal
@@ -424,6 +462,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._passes.clear()
         self._backwards = 0
         self._versions = None
+        self._averaged = False
         for fg in self.groups:
             fg.absent.clear()
 

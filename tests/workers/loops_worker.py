@@ -114,6 +114,7 @@ def expect_error(name, pattern, fn, exc=RuntimeError):
 
 
 SGD = lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=1e-2)  # noqa: E731
+ADAM = lambda ps: torch.optim.Adam(ps, lr=1e-2)  # noqa: E731
 
 
 # -- 1: clipping by the norm of the averaged gradient ------------------------------------------------
@@ -157,8 +158,9 @@ def clipping():
 # -- 3: GradScaler, with an overflow on one rank only -----------------------------------------------
 def scaler(unscale_first):
     name = "scaler_unscale_clip" if unscale_first else "scaler"
+    make = ADAM if unscale_first else SGD  # Adam: its update numbers must skip the overflow step too
     model = linear_model()
-    opt = wrap(SGD(model.parameters()), model)
+    opt = wrap(make(model.parameters()), model)
     sc = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=2)
     overflow_step = 2
     scales = []
@@ -174,10 +176,12 @@ def scaler(unscale_first):
         sc.step(opt)
         sc.update()
         scales.append(float(sc.get_scale()))
+        if step == overflow_step + 1:
+            opt.flush()  # and go on from the exact state
     opt.flush()
     # every mode skips the step everywhere; DSync learns of it when the step's average lands, so its
     # scaler backs off delay steps later
-    ref = reference_run(SGD, STEPS, (lambda r, s: torch.nn.utils.clip_grad_norm_(r.parameters(), 100.0))
+    ref = reference_run(make, STEPS, (lambda r, s: torch.nn.utils.clip_grad_norm_(r.parameters(), 100.0))
                         if unscale_first else None, skip={overflow_step})
     ok, diff = close(model, ref)
     check(f"{name}/skips_the_overflow_step_everywhere", ok, f"max abs diff {diff:.3g}")
@@ -189,11 +193,15 @@ def scaler(unscale_first):
 
 
 # -- 4: freezing and unfreezing after wrapping -------------------------------------------------------
-def freezing():
+
+
+def freezing(name, make_opt, frozen):
+    """The first layer's weight is frozen (requires_grad False, grad None) during the steps ``frozen``."""
     def loop(model, opt, plain):
         first = model[0].weight
+        seen = {}
         for step in range(STEPS):
-            first.requires_grad_(not (2 <= step < 4))  # frozen for steps 2 and 3
+            first.requires_grad_(step not in frozen)
             opt.zero_grad(set_to_none=True)
             if plain:  # the reference: averaged gradients, None where frozen
                 for p, g in zip(model.parameters(), averaged(model, step)):
@@ -201,26 +209,46 @@ def freezing():
             else:
                 linear_loss(model, step).backward()
             opt.step()
-            if step in (1, 3):
-                if not plain:
-                    opt.flush()  # exact parameters to compare
-                if step == 1:
-                    start = first.detach().clone()
-                else:
-                    frozen_at = first.detach().clone()
-        return start, frozen_at
+            if not plain:
+                opt.flush()  # exact parameters to compare
+            seen[step] = first.detach().clone()
+        return seen
 
     model = linear_model()
-    opt = wrap(SGD(model.parameters()), model)
-    start, frozen_at = loop(model, opt, plain=False)
+    opt = wrap(make_opt(model.parameters()), model)
+    seen = loop(model, opt, plain=False)
     opt.flush()
     ref = linear_model()
-    rstart, rfrozen = loop(ref, SGD(ref.parameters()), plain=True)
-    check("freeze/frozen_layer_does_not_move", torch.equal(start, frozen_at),
-          f"moved by {float((start - frozen_at).abs().max()):.3g}")
+    loop(ref, make_opt(ref.parameters()), plain=True)
+    before = linear_model()[0].weight.detach()
+    still = all(torch.equal(seen[s], seen[s - 1] if s else before) for s in frozen)
+    check(f"{name}/frozen_layer_does_not_move", still)
     ok, diff = close(model, ref)
-    check("freeze/equals_torch_optim", ok, f"max abs diff {diff:.3g}")
-    check("freeze/replicas_equal", equal_everywhere(model))
+    check(f"{name}/equals_torch_optim", ok, f"max abs diff {diff:.3g}")
+    check(f"{name}/replicas_equal", equal_everywhere(model))
+
+
+def two_backwards():
+    """Two backward passes on disjoint parameters before one step, backward_passes_per_step=1: BSP has
+    averaged when the first returns, so the second raises on every rank; OSP and DSync average in step()."""
+    def run():
+        model = linear_model()
+        opt = wrap(SGD(model.parameters()), model)
+        for step in range(3):
+            opt.zero_grad()
+            cs = coeffs(model, step, rank)
+            ps = list(model.parameters())
+            sum((p * c).sum() for p, c in zip(ps[:2], cs[:2])).backward()
+            sum((p * c).sum() for p, c in zip(ps[2:], cs[2:])).backward()
+            opt.step()
+        opt.flush()
+        return model
+    if mode == "bsp":
+        expect_error("two_backwards/raises_after_averaging", "after this step's gradients were averaged", run)
+        return
+    model = run()
+    ok, diff = close(model, reference_run(SGD, 3))
+    check("two_backwards/equals_torch_optim", ok, f"max abs diff {diff:.3g}")
 
 
 # -- 6: several optimizers per process: the textbook GAN loop ---------------------------------------
@@ -376,6 +404,19 @@ def edits():
             opt.step()
             model.load_state_dict(saved)
     expect_error("edit/load_state_dict_unflushed_refused", "parameters were changed between steps", reload)
+    # an edit before flush(): the flush's corrections would overwrite it, so flush raises
+    model = linear_model()
+    opt = wrap(SGD(model.parameters()), model)
+
+    def edit_then_flush():
+        for step in range(3):
+            opt.zero_grad()
+            linear_loss(model, step).backward()
+            opt.step()
+        for p in model.parameters():
+            p.data.clamp_(-c, c)
+        opt.flush()
+    expect_error("edit/before_flush_refused", "parameters were changed between steps", edit_then_flush)
 
 
 # -- 7: buffers (BatchNorm statistics) ---------------------------------------------------------------
@@ -431,13 +472,27 @@ def after_wrap():
     expect_error("after_wrap/unfrozen", r"parameter '0.weight' has a gradient, but it had requires_grad=False",
                  lambda: stepped(model, opt))
     opt.flush()
+    if mode == "dsync":  # each rank picks its own delay: overflows would land at different steps
+        m = linear_model()
+        o = osp.DistributedOptimizer(SGD(m.parameters()), m.named_parameters(), sync=osp.DSync(delay="auto"),
+                                     backend=backend, timeout=60)
+        sc = torch.amp.GradScaler("cpu")
+
+        def scaled_step():
+            o.zero_grad()
+            sc.scale(linear_loss(m, 0)).backward()
+            sc.step(o)
+        expect_error("after_wrap/auto_delay_refuses_scaler", r"DSync\(delay='auto'\) cannot take a GradScaler",
+                     scaled_step, ValueError)
     head = torch.nn.Linear(3, 2)
     expect_error("after_wrap/add_param_group", r"add_param_group\(\) after wrapping is not supported",
                  lambda: opt.add_param_group({"params": list(head.parameters())}))
 
 
-SCENARIOS = [clipping, lambda: scaler(False), lambda: scaler(True), freezing, gan, two_optimizers, edits, buffers,
-             after_wrap]
+SCENARIOS = [clipping, lambda: scaler(False), lambda: scaler(True),
+             lambda: freezing("freeze", SGD, {2, 3}), lambda: freezing("freeze_first_adam", ADAM, {0, 1, 4}),
+             lambda: freezing("freeze_first_sgd", SGD, {0, 1}),
+             gan, two_optimizers, two_backwards, edits, buffers, after_wrap]
 for fn in SCENARIOS:
     try:
         fn()

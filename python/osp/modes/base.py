@@ -49,6 +49,16 @@ class Context:
     prefix: str = "osp"  # names of this optimizer's collectives (unique per optimizer in a process)
     skip_sync: bool = False  # inside DistributedOptimizer.skip_synchronize()
 
+    def any_edited(self, edited: Optional[torch.Tensor], what: str) -> bool:
+        """Whether ``edited`` (this rank's EditProbe flag, or None: nothing to check) is set on some
+        rank: one tiny collective, so every rank raises alike."""
+        if edited is None:
+            return False
+        flag = edited.to(torch.float32).reshape(1)
+        self.comm.wait(self.comm.allreduce_sum_async_(flag, f"{self.prefix}.{what}.edited"), self.timeout,
+                       "edit check")
+        return bool(sidechannel.read(flag)[0])
+
     @property
     def nparams(self) -> int:
         return sum(len(fg.params) for fg in self.groups)

@@ -75,7 +75,6 @@ class _Step:
     handles: List[Handle]
     hyper: List[dict]  # every param group's hyper-parameters of that step, by value
     finite: bool  # this rank's gradient was finite (else its provisional update was skipped here)
-    absent: List[set]  # per flat group, its parameters without a gradient on this rank (left alone)
     unscale: Optional[float] = None  # GradScaler: the average is of gradients scaled by 1 / this
     max_norm: Optional[float] = None  # clip the average by its 2-norm
     arrived: Optional[int] = None  # steps after its own that its average was seen complete
@@ -105,6 +104,7 @@ class DSyncMode(Mode):
         # the snapshot covers every block (none is critical)
         self._none = [torch.zeros(fg.nblocks, dtype=torch.bool, device=fg.device) for fg in ctx.groups]
         self.t = 0
+        self._late_overflow = False  # a step found skipped in flush(), not yet reported to a GradScaler
         self._arm()
 
     # -- buffers ------------------------------------------------------------------------------
@@ -130,13 +130,18 @@ class DSyncMode(Mode):
     # -- the step -------------------------------------------------------------------------------
     def step(self, inp: StepInput):
         ctx = self.ctx
+        if inp.backward_scale is not None and self.options.delay == "auto":
+            raise ValueError(
+                "osp: DSync(delay='auto') cannot take a GradScaler: each rank picks its own delay, so ranks "
+                "would learn of an overflow at different steps and their loss scales would drift apart. Use "
+                "a fixed delay, e.g. osp.DSync(delay=2)")
         handles = list(self.buckets.launch(force=True))  # a bucket without gradients averages zeros
         slot = self.t % self.slots
         ctx.presence(self._presence[slot][:-1])
         self._presence[slot][-1:].copy_(self._probe.edited().reshape(1))
         handles.append(ctx.comm.allreduce_sum_async_(self._presence[slot], f"{ctx.prefix}.ds.{slot}.present"))
-        absent = [set(fg.absent) for fg in ctx.groups]
-        # the provisional update uses this rank's own gradient, unscaled and clipped by its own norm
+        # the provisional update uses this rank's own gradient (zeros where it has none, as on every rank
+        # the same parameters must step), unscaled and clipped by its own norm
         ctx.scale_grads(inp.unscale)
         if inp.max_norm is not None:
             ctx.scale_grads(ctx.clip_coef(inp.max_norm, ctx.sq_norm([fg.grad for fg in ctx.groups])))
@@ -154,7 +159,8 @@ class DSyncMode(Mode):
                 self._ages.append(self.t - s.index + (1 if time.perf_counter() - t0 > 1e-4 else 0))
         rec["stage2_wait_s"] = time.perf_counter() - t0
         skipped = self._apply(due) if due else 0
-        rec.update(skipped=skipped, overflow=skipped > 0)
+        rec.update(skipped=skipped, overflow=skipped > 0 or self._late_overflow)
+        self._late_overflow = False
         t1 = time.perf_counter()
         replayed = self._replay() if due else 0
         rec["replay_s"] = time.perf_counter() - t1
@@ -164,8 +170,6 @@ class DSyncMode(Mode):
         self.corrector.set_step_count(ctx.groups, [c + replayed for c in self._count]
                                       if due else None)
         # the provisional update with this rank's own gradient
-        for fg, a in zip(ctx.groups, absent):
-            fg.set_grads(a)
         if finite:
             unhooked_step(ctx.optimizer)
             self.corrector.adopt(ctx.groups)
@@ -175,7 +179,7 @@ class DSyncMode(Mode):
             for fg in ctx.groups:
                 self._buf(fg, "local", local).copy_(fg.grad)
         self._inflight.append(_Step(index=self.t, slot=slot, local=local, handles=handles, finite=finite,
-                                    hyper=[hyper(g) for g in ctx.optimizer.param_groups], absent=absent,
+                                    hyper=[hyper(g) for g in ctx.optimizer.param_groups],
                                     unscale=None if inp.backward_scale is None else 1.0 / inp.backward_scale,
                                     max_norm=inp.max_norm))
         self.t += 1
@@ -217,10 +221,8 @@ class DSyncMode(Mode):
             for i, (snap, fg) in enumerate(zip(self._snap, ctx.groups)):
                 snap.hyper = s.hyper[fg.group_index]
                 snap.step = self._count[i] + 1
-            held = []
-            if any(absent):  # parameters without a gradient on any rank keep their values from before
-                self.corrector.restore(self._snap)
-                held = [self.corrector.hold(fg, a) for fg, a in zip(ctx.groups, absent) if a]
+            # parameters without a gradient on any rank keep their values from before the step
+            held = [self.corrector.hold_from(snap, a) for snap, a in zip(self._snap, absent) if a]
             self.corrector.correct(list(zip(self._snap, avgs)))
             if held:
                 self.corrector.restore(held)
@@ -242,13 +244,12 @@ class DSyncMode(Mode):
             if not s.finite:
                 continue
             items = [(fg, self._buf(fg, "local", s.local)) for fg in self.ctx.groups]
-            held = [self.corrector.hold(fg, a) for fg, a in zip(self.ctx.groups, s.absent) if a]
             self.corrector.replay(items, s.hyper, [c + n + 1 for c in self._count])
-            self.corrector.restore(held)
             n += 1
         return n
 
     def flush(self):
+        edited = self._probe.edited() if self._inflight else None
         self._probe.clear()
         skipped = 0
         if self._inflight:
@@ -256,7 +257,12 @@ class DSyncMode(Mode):
             for s in due:
                 self.buckets.wait(s.handles, self.ctx.timeout, "delayed gradient allreduce")
             skipped = self._apply(due)
+            self._late_overflow |= skipped > 0  # a GradScaler hears of it at the next step
+            # the exact update numbers (the provisional ones counted this rank's own finite steps)
+            self.corrector.set_step_count(self.ctx.groups, self._count)
             self._snap = None
+            if self.ctx.any_edited(edited, "dsync"):
+                raise edited_error("DSync")
             if self.options.delay == "auto":
                 self.ctx.on_synced()
         else:

@@ -160,7 +160,7 @@ class OSPMode(Mode):
         ctx.scale_grads(inp.unscale)
         # parameters changed since the last step where a correction is pending: refused on every rank
         # (after the corrections, so the ranks stay equal), as the correction overwrites such a change
-        edited = self._probe.edited([~m for m in self._pending_masks()])
+        edited = self._probe.edited(self._deferred_masks())
         wait_s = self._finish_deferred()
         ctx.on_synced()
         counts = self._select()
@@ -244,14 +244,15 @@ class OSPMode(Mode):
         rec.update(critical_fraction=b1 / max(ctx.nbytes, 1), bytes_stage1=b1, bytes_stage2=b2, overflow=False)
         return rec
 
-    def _pending_masks(self) -> Optional[List[torch.Tensor]]:
-        """Per flat group, its critical blocks of the step whose correction is pending (a change there
-        is kept: those blocks are exact already); with clipping every block is redone."""
-        if self._clip is not None:
-            return [torch.zeros(fg.nblocks, dtype=torch.bool, device=fg.device) for fg in self.ctx.groups]
+    def _deferred_masks(self) -> List[Optional[torch.Tensor]]:
+        """Per flat group, the blocks its pending correction rewrites (a change elsewhere is kept: those
+        blocks are exact already); None where nothing is pending. With clipping every block is redone."""
         by_group = {id(d.snap.fg): d.mask for d in self._pending}
-        return [by_group.get(id(fg), torch.ones(fg.nblocks, dtype=torch.bool, device=fg.device))
-                for fg in self.ctx.groups]
+        out = []
+        for fg in self.ctx.groups:
+            m = by_group.get(id(fg))
+            out.append(None if m is None else torch.ones_like(m) if self._clip is not None else ~m)
+        return out
 
     def _finish_deferred(self) -> float:
         """Wait for the previous step's stage 2 and replace the provisional update of its deferred
@@ -285,7 +286,10 @@ class OSPMode(Mode):
         return wait
 
     def flush(self):
+        edited = self._probe.edited(self._deferred_masks()) if self._pending else None
         self._finish_deferred()
+        if self.ctx.any_edited(edited, "osp"):
+            raise edited_error("OSP")
         self.ctx.on_synced()
 
     # -- checkpoints ----------------------------------------------------------------------------

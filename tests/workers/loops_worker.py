@@ -9,34 +9,20 @@ DSync evaluate gradients at provisional weights). Results go to OUTDIR/rank<R>.j
 """
 import json
 import os
-import re
 import sys
 import traceback
 import warnings
 
+import ranks
 import torch
 
 import osp
-from osp.launcher import init_from_env
 
 mode, backend, outdir = sys.argv[1], sys.argv[2], sys.argv[3]
-if os.environ.get("OSP_TEST_STORE"):
-    import datetime
-
-    torch.distributed.init_process_group(
-        "gloo", init_method="file://" + os.environ["OSP_TEST_STORE"], rank=int(os.environ["RANK"]),
-        world_size=int(os.environ["WORLD_SIZE"]), timeout=datetime.timedelta(seconds=60))
-    comm = osp.comm.TorchComm()
-else:
-    comm = init_from_env(backend, timeout_s=60)
+comm = ranks.start(backend)
 rank, size = comm.rank, comm.size
-torch.set_num_threads(1)
-results = {"rank": rank, "size": size, "checks": {}, "errors": {}}
+results, check, expect_error = ranks.results, ranks.check, ranks.expect_error
 STEPS = 6
-
-
-def check(name, ok, detail=""):
-    results["checks"][name] = {"ok": bool(ok), "detail": str(detail)[:2000]}
 
 
 def sync():
@@ -70,8 +56,14 @@ def averaged(model, step, ranks=None):
     return [sum(c[i] for c in per) / size for i in range(len(per[0]))]
 
 
-def digest(model):
-    return [p.detach().clone() for p in model.parameters()]
+def train_linear(model, opt, steps, after_step=None):
+    """The plain loop on the linear loss; ``after_step(model, opt, step)`` runs after each step()."""
+    for step in range(steps):
+        opt.zero_grad()
+        linear_loss(model, step).backward()
+        opt.step()
+        if after_step is not None:
+            after_step(model, opt, step)
 
 
 def equal_everywhere(model):
@@ -99,18 +91,6 @@ def reference_run(make_opt, steps, before_step=None, skip=()):
             before_step(ref, step)
         ropt.step()
     return ref
-
-
-def expect_error(name, pattern, fn, exc=RuntimeError):
-    try:
-        fn()
-    except exc as e:
-        check(name, re.search(pattern, str(e)) is not None, e)
-        return
-    except Exception as e:
-        check(name, False, f"raised {type(e).__name__}: {e}")
-        return
-    check(name, False, "no error raised")
 
 
 SGD = lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=1e-2)  # noqa: E731
@@ -148,7 +128,7 @@ def clipping():
         for step in range(3):
             opt.zero_grad()
             linear_loss(model, step).backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)  # each rank's own, under OSP/DSync
             opt.step()
     opt.flush()
     n = sum("clip_grad_norm_(max_norm) instead" in str(x.message) for x in w)
@@ -244,7 +224,8 @@ def two_backwards():
         opt.flush()
         return model
     if mode == "bsp":
-        expect_error("two_backwards/raises_after_averaging", "after this step's gradients were averaged", run)
+        expect_error("two_backwards/raises_after_averaging", RuntimeError,
+                     "after this step's gradients were averaged", run)
         return
     model = run()
     ok, diff = close(model, reference_run(SGD, 3))
@@ -350,16 +331,15 @@ def edits():
     c = 0.05
     model = linear_model()
     opt = wrap(SGD(model.parameters()), model)
-    clamped = True
-    for step in range(STEPS):
-        opt.zero_grad()
-        linear_loss(model, step).backward()
-        opt.step()
+    clamped = []
+
+    def clamp_after_flush(model, opt, step):
         if mode != "bsp":
             opt.flush()  # the supported pattern: exact parameters, then the edit is kept
         for p in model.parameters():
             p.data.clamp_(-c, c)
-        clamped &= all(bool((p.detach().abs() <= torch.tensor(c)).all()) for p in model.parameters())
+        clamped.append(all(bool((p.detach().abs() <= torch.tensor(c)).all()) for p in model.parameters()))
+    train_linear(model, opt, STEPS, clamp_after_flush)
     opt.flush()
     ref = linear_model()
     ropt = SGD(ref.parameters())
@@ -370,53 +350,40 @@ def edits():
         for p in ref.parameters():
             p.data.clamp_(-c, c)
     ok, diff = close(model, ref)
-    check("edit/clamp_after_flush_kept_exactly", ok and clamped, f"max abs diff {diff:.3g}")
+    check("edit/clamp_after_flush_kept_exactly", ok and all(clamped), f"max abs diff {diff:.3g}")
     check("edit/replicas_equal", equal_everywhere(model))
     if mode == "bsp":
         return
 
     # without flush: refused loudly, on every rank
-    def unflushed(via_data):
+    def clamp_data(model, opt, step):
+        for p in model.parameters():
+            p.data.clamp_(-c, c)
+
+    def clamp_inplace(model, opt, step):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.clamp_(-c, c)
+    for name, edit in (("data", clamp_data), ("inplace", clamp_inplace)):
         model = linear_model()
         opt = wrap(SGD(model.parameters()), model)
-        for step in range(STEPS):
-            opt.zero_grad()
-            linear_loss(model, step).backward()
-            opt.step()
-            for p in model.parameters():
-                if via_data:
-                    p.data.clamp_(-c, c)
-                else:
-                    with torch.no_grad():
-                        p.clamp_(-c, c)
-    for via in (True, False):
-        expect_error(f"edit/unflushed_refused_{'data' if via else 'inplace'}", "parameters were changed between steps",
-                     lambda via=via: unflushed(via))
+        expect_error(f"edit/unflushed_refused_{name}", RuntimeError, "parameters were changed between steps",
+                     lambda model=model, opt=opt, edit=edit: train_linear(model, opt, STEPS, edit))
     # model.load_state_dict between steps without flush: refused too
     model = linear_model()
     opt = wrap(SGD(model.parameters()), model)
     saved = {k: v.clone() for k, v in model.state_dict().items()}
-
-    def reload():
-        for step in range(4):
-            opt.zero_grad()
-            linear_loss(model, step).backward()
-            opt.step()
-            model.load_state_dict(saved)
-    expect_error("edit/load_state_dict_unflushed_refused", "parameters were changed between steps", reload)
+    expect_error("edit/load_state_dict_unflushed_refused", RuntimeError, "parameters were changed between steps",
+                 lambda: train_linear(model, opt, 4, lambda m, o, s: m.load_state_dict(saved)))
     # an edit before flush(): the flush's corrections would overwrite it, so flush raises
     model = linear_model()
     opt = wrap(SGD(model.parameters()), model)
 
     def edit_then_flush():
-        for step in range(3):
-            opt.zero_grad()
-            linear_loss(model, step).backward()
-            opt.step()
-        for p in model.parameters():
-            p.data.clamp_(-c, c)
+        train_linear(model, opt, 3)
+        clamp_data(model, opt, 3)
         opt.flush()
-    expect_error("edit/before_flush_refused", "parameters were changed between steps", edit_then_flush)
+    expect_error("edit/before_flush_refused", RuntimeError, "parameters were changed between steps", edit_then_flush)
 
 
 # -- 7: buffers (BatchNorm statistics) ---------------------------------------------------------------
@@ -456,20 +423,23 @@ def after_wrap():
         opt.flush()
         model.to(torch.float64) if how == "double" else model.half()
         dtype = torch.float64 if how == "double" else torch.float16
-        expect_error(f"after_wrap/{how}", r"parameter '0.weight' no longer lives where the optimizer was wrapped",
+        expect_error(f"after_wrap/{how}", RuntimeError,
+                     r"parameter '0.weight' no longer lives where the optimizer was wrapped",
                      lambda model=model, opt=opt, dtype=dtype: stepped(model, opt, dtype))
     model = linear_model()
     opt = wrap(torch.optim.SGD(model.parameters(), lr=0.1), model)
     stepped(model, opt)
     opt.flush()
     model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
-    expect_error("after_wrap/assign", r"load_state_dict\(\.\.\., assign=True\)", lambda: stepped(model, opt))
+    expect_error("after_wrap/assign", RuntimeError, r"load_state_dict\(\.\.\., assign=True\)",
+                 lambda: stepped(model, opt))
     model = linear_model()
     model[0].weight.requires_grad_(False)
     opt = wrap(torch.optim.SGD(model.parameters(), lr=0.1), model)
     stepped(model, opt)
     model[0].weight.requires_grad_(True)
-    expect_error("after_wrap/unfrozen", r"parameter '0.weight' has a gradient, but it had requires_grad=False",
+    expect_error("after_wrap/unfrozen", RuntimeError,
+                 r"parameter '0.weight' has a gradient, but it had requires_grad=False",
                  lambda: stepped(model, opt))
     opt.flush()
     if mode == "dsync":  # each rank picks its own delay: overflows would land at different steps
@@ -482,10 +452,10 @@ def after_wrap():
             o.zero_grad()
             sc.scale(linear_loss(m, 0)).backward()
             sc.step(o)
-        expect_error("after_wrap/auto_delay_refuses_scaler", r"DSync\(delay='auto'\) cannot take a GradScaler",
-                     scaled_step, ValueError)
+        expect_error("after_wrap/auto_delay_refuses_scaler", ValueError,
+                     r"DSync\(delay='auto'\) cannot take a GradScaler", scaled_step)
     head = torch.nn.Linear(3, 2)
-    expect_error("after_wrap/add_param_group", r"add_param_group\(\) after wrapping is not supported",
+    expect_error("after_wrap/add_param_group", RuntimeError, r"add_param_group\(\) after wrapping is not supported",
                  lambda: opt.add_param_group({"params": list(head.parameters())}))
 
 

@@ -12,30 +12,17 @@ import sys
 import traceback
 import warnings
 
+import ranks
 import torch
 
 import osp
-from osp.launcher import init_from_env
 
 scenario, backend, outdir = sys.argv[1], sys.argv[2], sys.argv[3]
-if os.environ.get("OSP_TEST_STORE"):  # ranks spawned by the tests themselves, meeting in a file store
-    import datetime
-
-    torch.distributed.init_process_group(
-        "gloo", init_method="file://" + os.environ["OSP_TEST_STORE"], rank=int(os.environ["RANK"]),
-        world_size=int(os.environ["WORLD_SIZE"]), timeout=datetime.timedelta(seconds=60))
-    comm = osp.comm.TorchComm()
-else:
-    comm = init_from_env(backend, timeout_s=60)
+comm = ranks.start(backend)
 rank, size = comm.rank, comm.size
-torch.set_num_threads(1)
-results = {"rank": rank, "size": size, "checks": {}, "errors": {}}
+results, check, expect_error = ranks.results, ranks.check, ranks.expect_error
 BS = 64
 STEPS = 8
-
-
-def check(name, ok, detail=""):
-    results["checks"][name] = {"ok": bool(ok), "detail": str(detail)[:2000]}
 
 
 def make_model(seed=0, extra=False):
@@ -376,19 +363,6 @@ def dsync_badinput():
     check("dsync_nonfinite_recovers", bool(torch.isfinite(flat_params(model)).all())
           and not torch.equal(flat_params(model), before)
           and len(set(comm.allgather_object(digest(model, opt)))) == 1)
-
-
-def expect_error(name, exc_type, pattern, fn):
-    try:
-        fn()
-    except exc_type as e:
-        import re
-        check(name, re.search(pattern, str(e)) is not None, e)
-        return
-    except Exception as e:  # wrong type
-        check(name, False, f"raised {type(e).__name__}: {e}")
-        return
-    check(name, False, "no error raised")
 
 
 def badinput():

@@ -260,14 +260,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._averaged and self._zeroed_since_averaging(p):
             self._restart()  # e.g. D's gradients from G's backward, then netD.zero_grad()
             n = 0
-        if self._averaged:
-            self._task = None
-            raise RuntimeError(
-                f"osp: parameter {fg.names[i]!r} got a gradient from a backward pass after this step's gradients "
-                f"were averaged (its backward_passes_per_step={self.backward_passes_per_step} pass(es) had "
-                "ended). Sum the losses and call backward() once, raise backward_passes_per_step, or call "
-                "step() first. (A backward re-entered inside another, as torch.utils.checkpoint(..., "
-                "use_reentrant=True) does, ends a pass early: use use_reentrant=False.)")
         if p.grad is not alias and p.grad.layout == torch.strided:  # sparse ones raise in step()
             fg.gather_grads([p])
             fg.absent.discard(i)
@@ -279,6 +271,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 f"more than backward_passes_per_step={self.backward_passes_per_step}. Call step() after each "
                 "backward, zero the gradients before the next one, or raise backward_passes_per_step to "
                 "accumulate gradients locally")
+        if self._averaged:
+            self._task = None
+            raise RuntimeError(
+                f"osp: parameter {fg.names[i]!r} got a gradient from a backward pass after this step's gradients "
+                f"were averaged (its backward_passes_per_step={self.backward_passes_per_step} pass(es) had "
+                "ended). Sum the losses and call backward() once, raise backward_passes_per_step, or call "
+                "step() first. (A backward re-entered inside another, as torch.utils.checkpoint(..., "
+                "use_reentrant=True) does, ends a pass early: use use_reentrant=False.)")
         self._passes[p] = n
         self._seen[p] = alias._version
         if n == self.backward_passes_per_step:

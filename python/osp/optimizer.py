@@ -380,8 +380,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _check_fresh(self):
         if not self._fresh:
             raise RuntimeError(
-                "osp: step() called without a backward pass reaching this optimizer's parameters since the "
-                "last step() or zero_grad(); every step needs new gradients (call loss.backward() first). "
+                f"osp: step() called without a backward pass reaching this optimizer's parameters (e.g. "
+                f"{self.groups[0].names[0]!r}) since the last step() or zero_grad(); every step needs new "
+                "gradients (call loss.backward() first). "
                 "If backward did run, the model no longer uses the parameters this optimizer was built with "
                 "(e.g. model.load_state_dict(..., assign=True) or a layer replaced after wrapping): build "
                 "and wrap the optimizer after such changes")

@@ -312,6 +312,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _restart(self) -> None:
         self.mode.restart()
+        self._new_accumulation()
+
+    def _new_accumulation(self) -> None:
+        """Forget the passes, presence and clip request of the step being accumulated."""
         self._passes.clear()
         self._backwards = 0
         self._versions = None
@@ -445,7 +449,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self.__dict__.pop("found_inf", None)
             raise
         finally:
-            self._after_step()
+            self._fresh = False
+            self._new_accumulation()
         if scaler_state is not None:  # every rank counts the same overflows, so the scales stay equal
             for found in scaler_state["found_inf_per_device"].values():
                 found.fill_(1.0 if rec.get("overflow") else 0.0)
@@ -457,15 +462,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._record(rec)
         self._t_end = t1
 
-    def _after_step(self) -> None:
-        self._fresh = False
-        self._max_norm = None
-        self._passes.clear()
-        self._backwards = 0
-        self._versions = None
-        self._averaged = False
-        for fg in self.groups:
-            fg.absent.clear()
 
     @staticmethod
     def _warn_skipped():

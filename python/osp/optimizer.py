@@ -346,11 +346,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     @contextmanager
     def skip_synchronize(self):
-        self._ctx.skip_sync = True
-        try:
-            yield
-        finally:
-            self._ctx.skip_sync = False
+        """Horovod's ``with opt.skip_synchronize(): opt.step()`` after ``synchronize()``: accepted as is;
+        ``step()`` never averages twice (BSP's average is finished once per step)."""
+        yield
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False):
         """Clip the gradient by the norm of the *averaged* gradient, as ``torch.nn.utils.clip_grad_norm_``
@@ -549,10 +547,7 @@ def sync_buffers(module: torch.nn.Module, root_rank: int = 0, backend="auto") ->
     ``root_rank``'s, as DDP's ``broadcast_buffers`` does before each forward. Call it on every rank,
     e.g. after ``opt.flush()`` and before evaluating or checkpointing: then ``model.eval()`` predicts
     alike on every rank."""
-    comm = get_comm(backend)
-    with torch.no_grad():
-        for name, b in module.named_buffers():
-            comm.broadcast_(b, root_rank, f"osp.buffer.{name}")
+    broadcast_parameters(module.named_buffers(), root_rank, backend)
 
 
 def broadcast_parameters(params, root_rank: int = 0, backend="auto") -> None:

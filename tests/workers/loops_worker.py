@@ -109,6 +109,12 @@ def clipping():
         if mode == "bsp":  # .grad holds the average when backward returns, as with DDP
             grad_is_avg &= all(torch.allclose(p.grad, g, atol=1e-6) for p, g in zip(model.parameters(),
                                                                                     averaged(model, step)))
+            if step % 2:  # Horovod's pattern, on every other step
+                opt.synchronize()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+                with opt.skip_synchronize():
+                    opt.step()
+                continue
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         else:
             opt.clip_grad_norm_(max_norm)

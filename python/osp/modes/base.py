@@ -47,7 +47,6 @@ class Context:
     timeout: float  # seconds a collective may take before the step raises TimeoutError
     on_synced: Callable[[], None]  # call where replicas are bitwise equal (the public sync callback)
     prefix: str = "osp"  # names of this optimizer's collectives (unique per optimizer in a process)
-    skip_sync: bool = False  # inside DistributedOptimizer.skip_synchronize()
 
     def any_edited(self, edited: Optional[torch.Tensor], what: str) -> bool:
         """Whether ``edited`` (this rank's EditProbe flag, or None: nothing to check) is set on some

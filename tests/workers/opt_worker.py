@@ -323,6 +323,25 @@ def dsync(delay):
                       f"max abs diff {float((a - b).abs().max()):.3g}")
 
 
+def nonfinite_backward(sync):
+    """One exact step, then a backward whose gradient is infinite on the last rank only (inside
+    backward: BSP and DSync start averaging there). Returns the model, its optimizer and the parameters
+    before that backward; the caller steps."""
+    model = make_model()
+    opt = osp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   model.named_parameters(), sync=sync, backend=backend)
+    train_step(model, opt, 0)
+    opt.flush()
+    before = flat_params(model).clone()
+    x, y = batch(1)
+    opt.zero_grad()
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    if rank == size - 1:
+        loss = loss * float("inf")
+    loss.backward()
+    return model, opt, before
+
+
 def dsync_badinput():
     """Bad DSync options: a ValueError naming what was expected and what was got, on every rank."""
     for name, kw, pattern in [
@@ -338,18 +357,7 @@ def dsync_badinput():
         torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
         sync=osp.DSync(delay=2 if rank == 0 else 3), backend=backend))
     # non-finite gradient on one rank: that step is skipped on every rank when its average lands
-    model = make_model()
-    opt = osp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                                   model.named_parameters(), sync=osp.DSync(delay=2), backend=backend)
-    train_step(model, opt, 0)
-    opt.flush()
-    before = flat_params(model).clone()
-    x, y = batch(1)
-    opt.zero_grad()
-    loss = torch.nn.functional.cross_entropy(model(x), y)
-    if rank == size - 1:
-        loss = loss * float("inf")
-    loss.backward()
+    model, opt, before = nonfinite_backward(osp.DSync(delay=2))
     opt.step()
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
@@ -420,18 +428,7 @@ def badinput():
         check(f"missing_grad_equal/{mode}", len(set(comm.allgather_object(digest(model, opt)))) == 1)
 
         # non-finite gradient on one rank: the step is skipped on every rank
-        model = make_model()
-        opt = osp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                                       model.named_parameters(), sync=sync, backend=backend)
-        train_step(model, opt, 0)
-        opt.flush()
-        before = flat_params(model).clone()
-        x, y = batch(1)
-        opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        if rank == size - 1:  # inside backward: BSP starts averaging buckets during backward
-            loss = loss * float("inf")
-        loss.backward()
+        model, opt, before = nonfinite_backward(sync)
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
             opt.step()

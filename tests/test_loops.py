@@ -29,10 +29,11 @@ EXPECTED = {
                      "two_backwards/equals_torch_optim"],
 }
 EXPECTED["dsync"] = EXPECTED["osp"] + ["after_wrap/auto_delay_refuses_scaler"]
+EXPECTED["hsp"] = COMMON + ["gan/equals_bsp_reference", "two_backwards/equals_torch_optim"]
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("mode", ["bsp", "osp", "dsync"])
+@pytest.mark.parametrize("mode", ["bsp", "osp", "dsync", "hsp"])
 @pytest.mark.parametrize("backend", ["horovod", "torch"])
 def test_training_loops(backend, mode, tmp_path):
     launcher = "horovod" if backend == "horovod" else "spawn"

@@ -184,15 +184,6 @@ def test_invalid_wrapper_options():
 
 # -- one rank in this process: OSP must then be exactly the wrapped optimizer ----------------------
 
-@pytest.fixture
-def one_rank():
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("metric", ["l2", "l1", "max", "relative"])
 @pytest.mark.parametrize("make_opt", [lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
                                       lambda ps: torch.optim.RMSprop(ps, lr=0.01)], ids=["sgd", "rmsprop"])

@@ -6,9 +6,9 @@
 """
 from . import ops
 from .launcher import init_from_env
-from .modes import BSP, OSP, DSync
+from .modes import BSP, HSP, OSP, DSync
 from .optimizer import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters, sync_buffers
 
 __version__ = "0.1.0"
-__all__ = ["ops", "BSP", "OSP", "DSync", "DistributedOptimizer", "broadcast_parameters",
+__all__ = ["ops", "BSP", "OSP", "DSync", "HSP", "DistributedOptimizer", "broadcast_parameters",
            "broadcast_optimizer_state", "sync_buffers", "init_from_env", "__version__"]

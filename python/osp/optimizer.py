@@ -39,7 +39,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             supported). SGD, Adam and AdamW get fused correction kernels; others the generic path.
         named_parameters: ``model.named_parameters()``, for error messages and the cross-rank check;
             every parameter of ``optimizer`` must be named once.
-        sync: the mode and its options: ``osp.OSP(...)`` (default), ``osp.BSP()`` or ``osp.DSync(...)``.
+        sync: the mode and its options: ``osp.OSP(...)`` (default), ``osp.BSP()``, ``osp.DSync(...)`` or
+            ``osp.HSP(...)``.
         backend: ``"auto"`` (Horovod when initialized, else torch.distributed), ``"horovod"``,
             ``"torch"`` or a ``osp.comm.Comm``.
         backward_passes_per_step: backward passes accumulated locally before each step.
@@ -63,7 +64,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise TypeError("osp: the optimizer is already a DistributedOptimizer")
         sync = OSP() if sync is None else sync
         if not isinstance(sync, Options):
-            raise TypeError(f"osp: sync must be osp.BSP(), osp.OSP(...) or osp.DSync(...), got {sync!r}")
+            raise TypeError(f"osp: sync must be osp.BSP(), osp.OSP(...), osp.DSync(...) or osp.HSP(...), "
+                            f"got {sync!r}")
         if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
                 or backward_passes_per_step < 1:
             raise ValueError(f"osp: backward_passes_per_step must be an integer >= 1, got "
@@ -101,6 +103,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._versions: Optional[List[tuple]] = None  # (is its alias, version) of each gradient when the pass ended
         self._max_norm: Optional[float] = None  # clip_grad_norm_ asked for the coming step
         self._warned_grad_change = False
+        self._in_extra = False  # HSP: a step(closure) micro-batch is running (its passes are extra)
+        self._extra_passes = 0  # backward passes that ended inside such micro-batches
+        self._closure_loss = None
         self._t_end: Optional[float] = None
         self._history: List[dict] = []
         self._totals = {"steps": 0, "skipped_steps": 0}
@@ -252,6 +257,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._fresh = True
         fg, i = self._where[p]
         alias, n = fg.grad_views[i], self._passes.get(p, 0)
+        if self._in_extra:
+            self._on_extra_grad(p, fg, i, alias, n)
+            return
         if n and (p.grad is not alias or alias._version != self._seen[p] + 1):
             # zeroed, set to None or replaced since its last backward (e.g. a GAN's D.zero_grad() after
             # G's backward ran through D): the step's accumulation starts again
@@ -284,8 +292,43 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if n == self.backward_passes_per_step:
             self.mode.on_ready(p)
 
+    def _on_extra_grad(self, p, fg, i, alias, n) -> None:
+        """A backward pass inside ``step(closure)`` accumulated ``p``'s gradient: an extra micro-batch adds
+        to the step's gradients, beyond ``backward_passes_per_step``; it must not zero or replace them."""
+        if n and (p.grad is not alias or alias._version != self._seen[p] + 1):
+            self._task = None
+            raise RuntimeError(
+                f"osp: the gradient of {fg.names[i]!r} was zeroed or replaced inside the closure passed to step(); "
+                "an extra micro-batch must accumulate into .grad (no zero_grad() in the closure: the step's first "
+                "micro-batch is already there)")
+        if p.grad is not alias and p.grad.layout == torch.strided:  # sparse ones raise in step()
+            fg.gather_grads([p])
+            fg.absent.discard(i)
+        self._passes[p] = n + 1
+        self._seen[p] = alias._version
+
+    def _run_extra(self, closure) -> int:
+        """One call of the user's ``closure`` (an extra micro-batch); returns its backward passes."""
+        before = self._extra_passes
+        self._in_extra = True
+        try:
+            with torch.enable_grad():
+                self._closure_loss = closure()
+        finally:
+            self._in_extra = False
+        passes = self._extra_passes - before
+        if passes == 0:
+            raise RuntimeError(
+                f"osp: the closure passed to step() returned without a backward pass reaching this optimizer's "
+                f"parameters (e.g. {self.groups[0].names[0]!r}); under HSP it must compute one more micro-batch: "
+                "forward, loss.backward() (no zero_grad), and return the loss")
+        return passes
+
     def _end_backward(self) -> None:
         self._task = None
+        if self._in_extra:
+            self._extra_passes += 1
+            return
         self._backwards += 1
         if self._backwards >= self.backward_passes_per_step:
             self.mode.end_backward()
@@ -333,6 +376,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Zero the gradients (``set_to_none``: ``p.grad = None``, as ``torch.optim`` does; a parameter
         whose gradient stays None on every rank is then left alone by the step). Starts a new
         accumulation, whatever the backward passes since the last step."""
+        if self._in_extra:
+            raise RuntimeError("osp: zero_grad() inside the closure passed to step(): an extra micro-batch "
+                               "must accumulate into .grad (the step's first micro-batch is already there)")
         self._restart()
         self._fresh = False
         for fg in self.groups:
@@ -413,14 +459,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One synchronized step (see the class docstring). ``closure`` is not supported."""
-        if closure is not None:
-            raise ValueError("osp: step(closure) is not supported; call loss.backward() then step()")
+        """One synchronized step (see the class docstring). ``closure``: under ``osp.HSP`` only, one more
+        micro-batch (forward and backward, accumulating into ``.grad``, returning the loss) that HSP calls
+        while other ranks are still computing; returns the loss of the last call (None if none ran)."""
+        if closure is not None and not self.mode.accepts_closure:
+            raise ValueError(f"osp: step(closure) runs extra micro-batches under osp.HSP only; with "
+                             f"{self.sync!r} call loss.backward() then step()")
+        if closure is not None and not callable(closure):
+            raise TypeError(f"osp: step(closure) expects a callable, got {closure!r}")
         self._check_model()
         self._check_fresh()
         t0 = time.perf_counter()
+        self._closure_loss = None
         inp = StepInput(compute_s=(t0 - self._t_end) if self._t_end is not None else 0.0,
-                        max_norm=self._max_norm)
+                        max_norm=self._max_norm, passes=self.backward_passes_per_step,
+                        extra=None if closure is None else (lambda: self._run_extra(closure)))
         scaler_state = None
         if getattr(self, "found_inf", None) is not None and self._step_supports_amp_scaling:
             scaler, scaler_state = _calling_grad_scaler(self)
@@ -459,6 +512,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         rec.update(compute_s=inp.compute_s, step_s=t1 - t0)
         self._record(rec)
         self._t_end = t1
+        return self._closure_loss
 
 
     @staticmethod

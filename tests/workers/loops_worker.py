@@ -1,6 +1,6 @@
 """Rank program for the training-loop tests: everyday patterns on real ranks, against a reference.
 
-Usage: loops_worker.py MODE BACKEND OUTDIR   (MODE: bsp, osp or dsync)
+Usage: loops_worker.py MODE BACKEND OUTDIR   (MODE: bsp, osp, dsync or hsp)
 
 The reference is plain ``torch.optim`` on the rank-averaged gradient, simulated in one process: every
 rank's gradient is recomputed from every rank's data at the shared weights. With a loss that is linear
@@ -27,7 +27,7 @@ STEPS = 6
 
 def sync():
     return {"bsp": osp.BSP(bucket_mb=0.0005), "osp": osp.OSP(critical=0.3, block_size=16),
-            "dsync": osp.DSync(delay=2, bucket_mb=0.0005)}[mode]
+            "dsync": osp.DSync(delay=2, bucket_mb=0.0005), "hsp": osp.HSP(max_extra=2)}[mode]
 
 
 def wrap(opt, model, **kw):
@@ -292,7 +292,7 @@ def gan():
     optD.flush()
     optG.flush()
     check("gan/replicas_equal", equal_everywhere(netD) and equal_everywhere(netG))
-    if mode == "bsp":
+    if mode in ("bsp", "hsp"):
         okD, dD = close(netD, refD, 1e-4)
         okG, dG = close(netG, refG, 1e-4)
         check("gan/equals_bsp_reference", okD and okG, f"max abs diff D {dD:.3g} G {dG:.3g}")
@@ -358,7 +358,7 @@ def edits():
     ok, diff = close(model, ref)
     check("edit/clamp_after_flush_kept_exactly", ok and all(clamped), f"max abs diff {diff:.3g}")
     check("edit/replicas_equal", equal_everywhere(model))
-    if mode == "bsp":
+    if mode in ("bsp", "hsp"):  # nothing pending between steps: edits are kept as they are
         return
 
     # without flush: refused loudly, on every rank

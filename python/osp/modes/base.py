@@ -36,6 +36,10 @@ class StepInput:
     unscale: Optional[float] = None  # GradScaler: multiply this rank's gradients by this first
     backward_scale: Optional[float] = None  # GradScaler: the loss scale the backward ran under
     max_norm: Optional[float] = None  # clip by the 2-norm of the averaged gradient (clip_grad_norm_)
+    passes: int = 1  # backward passes of the step before step() (backward_passes_per_step)
+    #: ``step(closure)`` (modes with ``accepts_closure``): run one more micro-batch, accumulating into
+    #: ``.grad``; returns its backward passes (>= 1) or raises
+    extra: Optional[Callable[[], int]] = None
 
 
 @dataclass
@@ -145,6 +149,8 @@ class Mode(abc.ABC):
     #: gradient clipping and GradScaler work on it as usual; otherwise it holds this rank's own gradient
     #: and the mode unscales and clips inside ``step()``
     grad_is_average = False
+    #: ``step(closure)`` hands the mode ``StepInput.extra`` (HSP); other modes refuse a closure
+    accepts_closure = False
 
     def on_ready(self, p: torch.Tensor) -> None:
         """``p``'s gradient had its last backward pass of the step."""

@@ -25,6 +25,24 @@ def test_train_job_learns_digits(backend, sync, tmp_path):
         assert st["skipped_steps"] == 0 and 0 < st["mean"]["critical_fraction"] <= 1
 
 
+@pytest.mark.multiproc
+def test_train_hsp_with_a_straggler(tmp_path):
+    """--sync hsp --straggler 1:3: the fast rank feeds extra micro-batches from its own shard, so epochs
+    take fewer steps than the data holds micro-batches per rank, and the job still learns."""
+    out = tmp_path / "m.json"
+    proc = launch.run("spawn", 2, ["-m", "osp.train", "--sync", "hsp", "--straggler", "1:3", "--epochs", "10",
+                                   "--backend", "torch", "--json", str(out)])
+    launch.check(proc)
+    res = json.loads(out.read_text())
+    sleeps = res["config"]["straggler_sleep_s"]
+    assert sleeps[0] == 0 and sleeps[1] > 0, sleeps
+    per_rank = res["osp_stats"]["hsp"]["passes_per_rank"]
+    assert res["osp_stats"]["hsp"]["extras"] > 0 and per_rank[0] > per_rank[1], res["osp_stats"]
+    full = 1257 // (32 * 2)  # steps of an epoch without extras
+    assert all(e["steps"] < full for e in res["epochs"]), [e["steps"] for e in res["epochs"]]
+    assert res["final_test_acc"] > 0.88, res["epochs"]  # fewer (larger) steps an epoch than BSP: 10 epochs
+
+
 def test_train_single_process_and_report(tmp_path):
     out = tmp_path / "bsp.json"
     proc = subprocess.run([sys.executable, "-m", "osp.train", "--sync", "bsp", "--epochs", "2", "--json", str(out)],
@@ -39,3 +57,6 @@ def test_train_rejects_bad_options():
     p = subprocess.run([sys.executable, "-m", "osp.train", "--critical", "most"], capture_output=True,
                        text=True, timeout=120)
     assert p.returncode == 2 and "--critical must be a number in [0, 1] or 'auto', got 'most'" in p.stderr
+    p = subprocess.run([sys.executable, "-m", "osp.train", "--sync", "hsp", "--straggler", "2:2"], capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 2 and "--straggler 2:2: RANK must be in [0, 0] and FACTOR >= 1" in p.stderr

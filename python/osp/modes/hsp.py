@@ -11,6 +11,7 @@ waits for another longer than the micro-batch the other one is in. Without a clo
 """
 from __future__ import annotations
 
+import statistics
 import time
 from typing import List
 
@@ -51,8 +52,10 @@ class HSPMode(Mode):
         super().__init__(options, ctx)
         self.size, self.rank = ctx.comm.size, ctx.comm.rank
         self._ready = torch.zeros(1, dtype=torch.float32, device=ctx.device)
-        # per rank: backward passes, failed; then per parameter: ranks with a gradient for it
-        self._meta = torch.zeros(2 * self.size + ctx.nparams, dtype=torch.float32, device=ctx.device)
+        # per rank: backward passes, failed, "ready" latency seen (ms); then per parameter: ranks with a
+        # gradient for it
+        self._meta = torch.zeros(3 * self.size + ctx.nparams, dtype=torch.float32, device=ctx.device)
+        self._latency: List[float] = []  # the last steps' "ready" latency (s), as the last rank to arrive saw it
         self._totals = {"extras": 0, "wait_s": 0.0, "passes": [0] * self.size}
         self._behind = True  # this rank computed the fewest micro-batches last step (or there was none)
 
@@ -74,13 +77,17 @@ class HSPMode(Mode):
                     extra_s += time.perf_counter() - t
                 extras += 1
         comm.wait(ready, ctx.timeout, "HSP ready")
+        # from posting "ready" to its completion, on a rank that ran no extra: on the last rank to arrive,
+        # that is the collective's latency
+        seen = time.perf_counter() - t0 if extras == 0 and failure is None else 0.0
         for fg in ctx.groups:
             fg.gather_grads()  # a missing gradient counts as zeros
         meta = self._meta
         meta.zero_()
         meta[self.rank] = float(passes)
         meta[size + self.rank] = 1.0 if failure is not None else 0.0
-        ctx.presence(meta[2 * size:])
+        meta[2 * size + self.rank] = seen * 1e3
+        ctx.presence(meta[3 * size:])
         handles = [comm.allreduce_sum_async_(fg.grad, f"{ctx.prefix}.hsp.{gi}") for gi, fg in enumerate(ctx.groups)]
         handles.append(comm.allreduce_sum_async_(meta, f"{ctx.prefix}.hsp.meta"))
         t1 = time.perf_counter()
@@ -98,16 +105,20 @@ class HSPMode(Mode):
                 "(see the error on that rank); no update was applied")
         wait_s = (t2 - t0) - extra_s  # in step() outside the closures: waiting for the others, and the sum
         self._behind = counts[self.rank] == min(counts) < max(counts)
+        seen_ms = [m for m in host[2 * size:3 * size] if m > 0]
+        if seen_ms:  # the smallest is the last rank's to arrive: the others waited for it
+            self._latency = (self._latency + [min(seen_ms) * 1e-3])[-8:]
         for r, c in enumerate(counts):
             self._totals["passes"][r] += c
         self._totals["extras"] += extras
         self._totals["wait_s"] += wait_s
         rec = {"critical_fraction": 1.0, "bytes_stage1": ctx.nbytes, "bytes_stage2": 0, "stage1_s": t2 - t1,
-               "stage2_wait_s": 0.0, "micro_batches": counts, "extras": extras, "wait_s": wait_s}
+               "stage2_wait_s": 0.0, "micro_batches": counts, "extras": extras, "wait_s": wait_s,
+               "ready_ms": host[2 * size:3 * size]}
         # the sum over ranks is identical everywhere, so every rank scales, checks and steps alike
         ctx.scale_grads(inp.passes / sum(counts))  # the mean per pass, at BSP's scale
         ctx.scale_grads(inp.unscale)
-        for fg, a in zip(ctx.groups, ctx.absent_everywhere(host[2 * size:])):
+        for fg, a in zip(ctx.groups, ctx.absent_everywhere(host[3 * size:])):
             fg.set_grads(a)
         if ctx.any_nonfinite():
             rec.update(skipped=True, overflow=True)
@@ -121,13 +132,16 @@ class HSPMode(Mode):
 
     def _grace(self, micro_batch_s: float) -> float:
         """How long "ready" may take before this rank starts an extra. The last rank to arrive sees it
-        incomplete while it propagates (about 1 ms with Horovod on Gloo, several on a first step): an extra
-        started then would make every rank wait for it. The rank that was behind last step (the likely
-        straggler) gives it max(20 ms, half a micro-batch); the others 1/10 of a micro-batch within
-        [2, 20] ms (``micro_batch_s``: this rank's compute since the last step)."""
+        incomplete while it propagates (0.5 ms with torch's Gloo here, 1-2 ms with Horovod's, several on a
+        first step): an extra started then would make every rank wait for it. The rank that was behind last
+        step (the likely straggler) gives it max(20 ms, half its micro-batch, ``micro_batch_s``); the others
+        three times the median latency of the last 8 steps, within [0.3, 20] ms (2 ms before any was
+        seen; the median, as the scheduler of a busy host adds outliers of several ms)."""
         if self._behind:
             return max(2e-2, 0.5 * micro_batch_s)
-        return min(max(2e-3, 0.1 * micro_batch_s), 2e-2)
+        if not self._latency:
+            return 2e-3
+        return min(max(3e-4, 3.0 * statistics.median(self._latency)), 2e-2)
 
     def _ready_within(self, handle, seconds: float) -> bool:
         deadline = time.perf_counter() + seconds
@@ -139,4 +153,5 @@ class HSPMode(Mode):
 
     def stats(self) -> dict:
         t = self._totals
-        return {"hsp": {"extras": t["extras"], "wait_s": t["wait_s"], "passes_per_rank": list(t["passes"])}}
+        return {"hsp": {"extras": t["extras"], "wait_s": t["wait_s"], "passes_per_rank": list(t["passes"]),
+                        "ready_latency_s": statistics.median(self._latency) if self._latency else None}}

@@ -11,9 +11,8 @@ waits for another longer than the micro-batch the other one is in. Without a clo
 """
 from __future__ import annotations
 
-import statistics
 import time
-from typing import List
+from typing import List, Optional
 
 import torch
 
@@ -52,21 +51,23 @@ class HSPMode(Mode):
         super().__init__(options, ctx)
         self.size, self.rank = ctx.comm.size, ctx.comm.rank
         self._ready = torch.zeros(1, dtype=torch.float32, device=ctx.device)
-        # per rank: backward passes, failed, "ready" latency seen (ms); then per parameter: ranks with a
-        # gradient for it
+        # per rank: backward passes, failed, arrival (ms from the end of the last step's sum to "ready");
+        # then per parameter: ranks with a gradient for it
         self._meta = torch.zeros(3 * self.size + ctx.nparams, dtype=torch.float32, device=ctx.device)
-        self._latency: List[float] = []  # the last steps' "ready" latency (s), as the last rank to arrive saw it
         self._totals = {"extras": 0, "wait_s": 0.0, "passes": [0] * self.size}
-        self._behind = True  # this rank computed the fewest micro-batches last step (or there was none)
+        self._t_synced: Optional[float] = None  # when the last step's sum completed here
+        self._lag = 0.0  # last step: how long after this rank the last one posted "ready" (s)
+        self._extra_s: Optional[float] = None  # how long one extra micro-batch took here
 
     def step(self, inp: StepInput) -> dict:
         ctx, comm, size = self.ctx, self.ctx.comm, self.size
         t0 = time.perf_counter()
         ready = comm.allreduce_sum_async_(self._ready.fill_(1.0), f"{ctx.prefix}.hsp.ready")
+        arrival = t0 - self._t_synced if self._t_synced is not None else 0.0
         passes, extras, extra_s, failure = inp.passes, 0, 0.0, None
-        if inp.extra is not None:
-            grace = self._grace(inp.compute_s)
-            while extras < self.options.max_extra and not self._ready_within(ready, grace):
+        if inp.extra is not None and size > 1:  # alone, nobody is waited for
+            mb = self._extra_s if self._extra_s is not None else inp.compute_s
+            while extras < self.options.max_extra and not self._worth_waiting(ready, t0, mb):
                 t = time.perf_counter()
                 try:
                     passes += inp.extra()
@@ -77,16 +78,13 @@ class HSPMode(Mode):
                     extra_s += time.perf_counter() - t
                 extras += 1
         comm.wait(ready, ctx.timeout, "HSP ready")
-        # from posting "ready" to its completion, on a rank that ran no extra: on the last rank to arrive,
-        # that is the collective's latency
-        seen = time.perf_counter() - t0 if extras == 0 and failure is None else 0.0
         for fg in ctx.groups:
             fg.gather_grads()  # a missing gradient counts as zeros
         meta = self._meta
         meta.zero_()
         meta[self.rank] = float(passes)
         meta[size + self.rank] = 1.0 if failure is not None else 0.0
-        meta[2 * size + self.rank] = seen * 1e3
+        meta[2 * size + self.rank] = arrival * 1e3
         ctx.presence(meta[3 * size:])
         handles = [comm.allreduce_sum_async_(fg.grad, f"{ctx.prefix}.hsp.{gi}") for gi, fg in enumerate(ctx.groups)]
         handles.append(comm.allreduce_sum_async_(meta, f"{ctx.prefix}.hsp.meta"))
@@ -94,6 +92,7 @@ class HSPMode(Mode):
         for h in handles:
             comm.wait(h, ctx.timeout, "HSP gradient allreduce")
         t2 = time.perf_counter()
+        self._t_synced = t2
         host = sidechannel.read(meta)
         counts = [int(round(c)) for c in host[:size]]
         failed = [r for r in range(size) if host[size + r] > 0]
@@ -104,17 +103,17 @@ class HSPMode(Mode):
                 f"osp: HSP step aborted on every rank: the closure passed to step() failed on rank(s) {failed} "
                 "(see the error on that rank); no update was applied")
         wait_s = (t2 - t0) - extra_s  # in step() outside the closures: waiting for the others, and the sum
-        self._behind = counts[self.rank] == min(counts) < max(counts)
-        seen_ms = [m for m in host[2 * size:3 * size] if m > 0]
-        if seen_ms:  # the smallest is the last rank's to arrive: the others waited for it
-            self._latency = (self._latency + [min(seen_ms) * 1e-3])[-8:]
+        arrivals = host[2 * size:3 * size]
+        if all(a > 0 for a in arrivals):  # known from the second step on, on every rank
+            self._lag = max(0.0, max(arrivals) * 1e-3 - arrival)
+        if extras:
+            self._extra_s = extra_s / extras
         for r, c in enumerate(counts):
             self._totals["passes"][r] += c
         self._totals["extras"] += extras
         self._totals["wait_s"] += wait_s
         rec = {"critical_fraction": 1.0, "bytes_stage1": ctx.nbytes, "bytes_stage2": 0, "stage1_s": t2 - t1,
-               "stage2_wait_s": 0.0, "micro_batches": counts, "extras": extras, "wait_s": wait_s,
-               "ready_ms": host[2 * size:3 * size]}
+               "stage2_wait_s": 0.0, "micro_batches": counts, "extras": extras, "wait_s": wait_s}
         # the sum over ranks is identical everywhere, so every rank scales, checks and steps alike
         ctx.scale_grads(inp.passes / sum(counts))  # the mean per pass, at BSP's scale
         ctx.scale_grads(inp.unscale)
@@ -130,22 +129,26 @@ class HSPMode(Mode):
         rec["overflow"] = False
         return rec
 
-    def _grace(self, micro_batch_s: float) -> float:
-        """How long "ready" may take before this rank starts an extra. The last rank to arrive sees it
-        incomplete while it propagates (0.5 ms with torch's Gloo here, 1-2 ms with Horovod's, several on a
-        first step): an extra started then would make every rank wait for it. The rank that was behind last
-        step (the likely straggler) gives it max(20 ms, half its micro-batch, ``micro_batch_s``); the others
-        three times the median latency of the last 8 steps, within [0.3, 20] ms (2 ms before any was
-        seen; the median, as the scheduler of a busy host adds outliers of several ms)."""
-        if self._behind:
-            return max(2e-2, 0.5 * micro_batch_s)
-        if not self._latency:
-            return 2e-3
-        return min(max(3e-4, 3.0 * statistics.median(self._latency)), 2e-2)
+    def _worth_waiting(self, ready, t0: float, mb: float) -> bool:
+        """Whether to wait for "ready" (True once it completed) rather than start an extra micro-batch,
+        which takes about ``mb`` seconds here; ``t0``: when this rank posted "ready".
 
-    def _ready_within(self, handle, seconds: float) -> bool:
-        deadline = time.perf_counter() + seconds
-        while not self.ctx.comm.poll(handle):
+        An extra is worth it while the others are expected to need at least half of it: the last step's
+        arrivals (every rank's time from the end of the step before to its "ready") predict how long
+        after this rank the last one arrives. Past that prediction, this rank waits a margin of
+        max(half a micro-batch, 2 ms; 20 ms before the first prediction) before starting an extra anyway
+        (a rank later than predicted). The last rank to arrive predicts no lag and sees "ready" complete
+        within the collective's latency (0.5 ms with torch's Gloo here, 1-2 ms with Horovod's), well
+        inside that margin, so it starts no extra that every rank would then wait for."""
+        comm = self.ctx.comm
+        if comm.poll(ready):
+            return True
+        left = self._lag - (time.perf_counter() - t0)
+        if left >= 0.5 * mb:
+            return False
+        margin = max(0.5 * mb, 2e-3) if self._t_synced is not None else max(0.5 * mb, 2e-2)
+        deadline = time.perf_counter() + max(left, 0.0) + margin
+        while not comm.poll(ready):
             if time.perf_counter() >= deadline:
                 return False
             time.sleep(1e-4)
@@ -154,4 +157,4 @@ class HSPMode(Mode):
     def stats(self) -> dict:
         t = self._totals
         return {"hsp": {"extras": t["extras"], "wait_s": t["wait_s"], "passes_per_rank": list(t["passes"]),
-                        "ready_latency_s": statistics.median(self._latency) if self._latency else None}}
+                        "lag_s": self._lag}}

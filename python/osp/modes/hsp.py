@@ -2,12 +2,13 @@
 
 ``opt.step(closure)``, after the step's first micro-batch ran backward as usual: this rank posts a tiny
 non-blocking "ready" collective, and while it has not completed (some rank is still computing its first
-micro-batch) and fewer than ``max_extra`` extras ran, calls ``closure()`` (forward and backward of one
-more micro-batch, accumulating into ``.grad``) and polls again. When "ready" completes, one sum across
-ranks carries the flat gradients, every rank's micro-batch count and failure flag, and which parameters
-have a gradient; the applied gradient is the mean over every micro-batch any rank computed. Every rank
+micro-batch), fewer than ``max_extra`` extras ran and the others are expected to need at least half an
+extra (``_worth_waiting``), calls ``closure()`` (forward and backward of one more micro-batch,
+accumulating into ``.grad``) and polls again. When "ready" completes, one sum across ranks carries the
+flat gradients, every rank's micro-batch count, failure flag and arrival time, and which parameters have
+a gradient; the applied gradient is the mean over every micro-batch any rank computed. Every rank
 applies the same averaged gradient, so the replicas stay bitwise equal after every step, and no rank
-waits for another longer than the micro-batch the other one is in. Without a closure HSP is BSP.
+waits for another longer than about one micro-batch. Without a closure HSP is BSP.
 """
 from __future__ import annotations
 

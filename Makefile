@@ -8,7 +8,7 @@ CUDA_SRCS := $(wildcard csrc/cuda/*.cu)
 CUDA_CPP_SRCS := $(wildcard csrc/cuda/*.cpp)
 PYTEST_ARGS ?=
 
-.PHONY: install test test-only lint cuda-check bench-kernels bench-accuracy demo bench stress-exit clean
+.PHONY: install test test-only lint cuda-check bench-kernels bench-accuracy bench-stragglers demo bench stress-exit clean
 
 install:
 	@bash scripts/install.sh
@@ -56,6 +56,12 @@ bench-kernels: install
 # Accuracy on digits: BSP vs OSP (0.25 and auto), 3 seeds, 2 ranks under horovodrun.
 bench-accuracy: install
 	$(PY) bench/accuracy.py
+
+# Time to accuracy with one rank 1x, 2x and 4x slower: HSP against BSP, OSP and DDP, 3 seeds, 2 ranks
+# under torchrun (about 10 minutes; BENCH_ARGS="--batch-size 8 --channels 128 --epochs 10" for the
+# small-micro-batch table of README, about 20).
+bench-stragglers: install
+	$(PY) bench/stragglers.py $(BENCH_ARGS)
 
 # Throughput under an emulated network bottleneck (needs root: network namespaces and tc).
 # BENCH_ARGS=--quick for a few minutes on 2 cores.

@@ -117,3 +117,18 @@ def check(proc) -> None:
     assert proc.returncode == 0, (
         f"ranks failed (exit {proc.returncode})\n--- stdout\n{proc.stdout[-6000:]}\n--- stderr\n"
         f"{proc.stderr[-6000:]}")
+
+
+def rank_results(outdir, nranks: int, proc) -> list:
+    """The named checks each rank wrote to ``outdir`` (tests/workers/ranks.py), asserted complete and
+    passed: every rank reported, none recorded an error, none has a failed check."""
+    import glob
+    import json
+
+    results = [json.loads(open(f).read()) for f in sorted(glob.glob(os.path.join(str(outdir), "rank*.json")))]
+    assert len(results) == nranks, f"{len(results)} of {nranks} ranks reported\n{proc.stdout[-3000:]}"
+    for r in results:
+        assert not r["errors"], r["errors"]
+        failed = {k: v["detail"] for k, v in r["checks"].items() if not v["ok"]}
+        assert not failed, f"rank {r['rank']}: {failed}"
+    return results

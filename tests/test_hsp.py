@@ -1,7 +1,5 @@
 """HSP on real ranks (tests/workers/hsp_worker.py: a straggler, extras counted, I1, I3 replayed from every
 micro-batch, I4, bad closures) with both engines, and its surface in one process."""
-import glob
-import json
 import os
 
 import pytest
@@ -25,12 +23,7 @@ def test_hsp_with_a_straggler(backend, tmp_path):
     proc = launch.run("horovod" if backend == "horovod" else "spawn", 2, [WORKER, backend, str(tmp_path)],
                       timeout=240)
     launch.check(proc)
-    results = [json.loads(open(f).read()) for f in sorted(glob.glob(str(tmp_path / "rank*.json")))]
-    assert len(results) == 2, proc.stdout[-3000:]
-    for r in results:
-        assert not r["errors"], r["errors"]
-        failed = {k: v["detail"] for k, v in r["checks"].items() if not v["ok"]}
-        assert not failed, f"rank {r['rank']}: {failed}"
+    for r in launch.rank_results(tmp_path, 2, proc):
         assert sorted(r["checks"]) == sorted(CHECKS + BY_RANK[r["rank"]])
 
 

@@ -3,8 +3,6 @@ GradScaler (an overflow on one rank only), freezing after wrapping, a GAN with t
 in-place parameter edits, BatchNorm buffers and changes to the model after wrapping. Each pattern
 is compared with plain torch.optim on the rank-averaged gradient and replicas must be bitwise equal
 (tests/workers/loops_worker.py)."""
-import glob
-import json
 import os
 
 import pytest
@@ -39,10 +37,5 @@ def test_training_loops(backend, mode, tmp_path):
     launcher = "horovod" if backend == "horovod" else "spawn"
     proc = launch.run(launcher, 2, [WORKER, mode, backend, str(tmp_path)], timeout=300)
     launch.check(proc)
-    results = [json.loads(open(f).read()) for f in sorted(glob.glob(str(tmp_path / "rank*.json")))]
-    assert len(results) == 2, proc.stdout[-3000:]
-    for r in results:
-        assert not r["errors"], r["errors"]
-        failed = {k: v["detail"] for k, v in r["checks"].items() if not v["ok"]}
-        assert not failed, f"rank {r['rank']}: {failed}"
+    for r in launch.rank_results(tmp_path, 2, proc):
         assert sorted(r["checks"]) == sorted(EXPECTED[mode])

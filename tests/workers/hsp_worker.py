@@ -17,12 +17,9 @@ OUTDIR/rank<R>.json:
 """
 import hashlib
 import io
-import json
-import os
 import statistics
 import sys
 import time
-import traceback
 
 import ranks
 import torch
@@ -211,17 +208,6 @@ def bad_closures():
                      lambda v=value: osp.HSP(max_extra=v))
 
 
-for fn in (straggler_run, bad_closures):
-    try:
-        fn()
-    except Exception:
-        results["errors"][fn.__name__] = traceback.format_exc()
-        break
-with open(os.path.join(outdir, f"rank{rank}.json"), "w") as fh:
-    json.dump(results, fh, indent=1)
-if backend == "horovod":
-    import horovod.torch as hvd
-    hvd.shutdown()
-else:
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+ranks.run_all([straggler_run, bad_closures])
+ranks.save(outdir)
+ranks.shutdown(backend)

@@ -7,10 +7,7 @@ rank's gradient is recomputed from every rank's data at the shared weights. With
 in the weights the gradient does not depend on them, so that reference is exact for every mode (OSP and
 DSync evaluate gradients at provisional weights). Results go to OUTDIR/rank<R>.json as named checks.
 """
-import json
-import os
 import sys
-import traceback
 import warnings
 
 import ranks
@@ -469,17 +466,6 @@ SCENARIOS = [clipping, lambda: scaler(False), lambda: scaler(True),
              lambda: freezing("freeze", SGD, {2, 3}), lambda: freezing("freeze_first_adam", ADAM, {0, 1, 4}),
              lambda: freezing("freeze_first_sgd", SGD, {0, 1}),
              gan, two_optimizers, two_backwards, edits, buffers, after_wrap]
-for fn in SCENARIOS:
-    try:
-        fn()
-    except Exception:
-        results["errors"][getattr(fn, "__name__", "scenario")] = traceback.format_exc()
-        break  # the ranks may be out of step now: stop here
-with open(os.path.join(outdir, f"rank{rank}.json"), "w") as fh:
-    json.dump(results, fh, indent=1)
-if backend == "horovod":
-    import horovod.torch as hvd
-    hvd.shutdown()
-else:
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+ranks.run_all(SCENARIOS)
+ranks.save(outdir)
+ranks.shutdown(backend)

@@ -6,7 +6,6 @@ dsync:DELAY, dsync_badinput.
 """
 import copy
 import hashlib
-import json
 import os
 import sys
 import traceback
@@ -511,15 +510,9 @@ try:
     SCENARIOS[name](*([arg] if arg else []))
 except Exception:
     results["errors"]["uncaught"] = traceback.format_exc()
-with open(os.path.join(outdir, f"rank{rank}.json"), "w") as fh:
-    json.dump(results, fh, indent=1)
+ranks.save(outdir)
 sys.stdout.flush()
 if scenario.startswith("peer_"):
     # the job is broken, as a user's would be: leave with the error (osp's exit hook stays out of it)
     raise RuntimeError(f"rank {rank}: training failed: {results['checks']}")
-if backend == "horovod":
-    import horovod.torch as hvd
-    hvd.shutdown()  # mpirun counts an exit without MPI_Finalize as a failure
-else:
-    torch.distributed.barrier()  # no rank tears its connections down while a peer still talks
-    torch.distributed.destroy_process_group()
+ranks.shutdown(backend)

@@ -2,8 +2,10 @@
 OSP_TEST_STORE, see tests/launch.py; else the environment the launcher set up) and named checks,
 written per rank as JSON for the test to read."""
 import datetime
+import json
 import os
 import re
+import traceback
 
 import torch
 
@@ -42,3 +44,28 @@ def expect_error(name, exc_type, pattern, fn):
         check(name, False, f"raised {type(e).__name__}: {e}")
         return
     check(name, False, "no error raised")
+
+
+def run_all(scenarios):
+    """Run each scenario in turn; the first one that raises is recorded and ends the run (the ranks may
+    be out of step after it)."""
+    for fn in scenarios:
+        try:
+            fn()
+        except Exception:
+            results["errors"][getattr(fn, "__name__", "scenario")] = traceback.format_exc()
+            break
+
+
+def save(outdir):
+    with open(os.path.join(outdir, f"rank{results['rank']}.json"), "w") as fh:
+        json.dump(results, fh, indent=1)
+
+
+def shutdown(backend):
+    if backend == "horovod":
+        import horovod.torch as hvd
+        hvd.shutdown()  # mpirun counts an exit without MPI_Finalize as a failure
+    else:
+        torch.distributed.barrier()  # no rank tears its connections down while a peer still talks
+        torch.distributed.destroy_process_group()

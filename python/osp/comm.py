@@ -98,18 +98,24 @@ class Comm(abc.ABC):
         forever on a peer that died or stalled."""
         if handle.done:
             return handle.tensor
-        if timeout is not None:
-            deadline = time.monotonic() + timeout
-            pause = 2e-5
-            while not self.poll(handle):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"osp: {what} on rank {self.rank} did not complete within {timeout:g} s; a "
-                        "peer may have died or stalled (raise DistributedOptimizer(timeout=...) if "
-                        "steps are legitimately this slow)")
-                time.sleep(pause)
-                pause = min(pause * 2, 1e-3)
+        if timeout is not None and not self.done_within(handle, timeout):
+            raise TimeoutError(
+                f"osp: {what} on rank {self.rank} did not complete within {timeout:g} s; a "
+                "peer may have died or stalled (raise DistributedOptimizer(timeout=...) if "
+                "steps are legitimately this slow)")
         return self._finish(handle)
+
+    def done_within(self, handle: Handle, seconds: float, max_pause: float = 1e-3) -> bool:
+        """Poll ``handle`` for up to ``seconds``, sleeping between polls (at most ``max_pause`` s);
+        whether it completed."""
+        deadline = time.monotonic() + seconds
+        pause = min(2e-5, max_pause)
+        while not self.poll(handle):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(pause)
+            pause = min(pause * 2, max_pause)
+        return True
 
     def broadcast_object(self, obj: Any, root: int = 0) -> Any:
         return self.allgather_object(obj)[root]

@@ -257,22 +257,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._fresh = True
         fg, i = self._where[p]
         alias, n = fg.grad_views[i], self._passes.get(p, 0)
-        if self._in_extra:
-            self._on_extra_grad(p, fg, i, alias, n)
-            return
-        if n and (p.grad is not alias or alias._version != self._seen[p] + 1):
+        changed = n and (p.grad is not alias or alias._version != self._seen[p] + 1)
+        if changed and self._in_extra:
+            self._task = None
+            raise RuntimeError(
+                f"osp: the gradient of {fg.names[i]!r} was zeroed or replaced inside the closure passed to step(); "
+                "an extra micro-batch must accumulate into .grad (no zero_grad() in the closure: the step's first "
+                "micro-batch is already there)")
+        if changed or (self._averaged and self._zeroed_since_averaging(p)):
             # zeroed, set to None or replaced since its last backward (e.g. a GAN's D.zero_grad() after
-            # G's backward ran through D): the step's accumulation starts again
+            # G's backward ran through D, or after D's average): the step's accumulation starts again
             self._restart()
-            n = 0
-        if self._averaged and self._zeroed_since_averaging(p):
-            self._restart()  # e.g. D's gradients from G's backward, then netD.zero_grad()
             n = 0
         if p.grad is not alias and p.grad.layout == torch.strided:  # sparse ones raise in step()
             fg.gather_grads([p])
             fg.absent.discard(i)
         n += 1
-        if n > self.backward_passes_per_step:
+        # an extra micro-batch (HSP's step(closure)) adds to the step beyond backward_passes_per_step
+        if n > self.backward_passes_per_step and not self._in_extra:
             self._task = None
             raise RuntimeError(
                 f"osp: parameter {fg.names[i]!r} got a gradient from {n} backward passes since the last step(), "
@@ -289,23 +291,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "use_reentrant=True) does, ends a pass early: use use_reentrant=False.)")
         self._passes[p] = n
         self._seen[p] = alias._version
-        if n == self.backward_passes_per_step:
+        if n == self.backward_passes_per_step and not self._in_extra:
             self.mode.on_ready(p)
-
-    def _on_extra_grad(self, p, fg, i, alias, n) -> None:
-        """A backward pass inside ``step(closure)`` accumulated ``p``'s gradient: an extra micro-batch adds
-        to the step's gradients, beyond ``backward_passes_per_step``; it must not zero or replace them."""
-        if n and (p.grad is not alias or alias._version != self._seen[p] + 1):
-            self._task = None
-            raise RuntimeError(
-                f"osp: the gradient of {fg.names[i]!r} was zeroed or replaced inside the closure passed to step(); "
-                "an extra micro-batch must accumulate into .grad (no zero_grad() in the closure: the step's first "
-                "micro-batch is already there)")
-        if p.grad is not alias and p.grad.layout == torch.strided:  # sparse ones raise in step()
-            fg.gather_grads([p])
-            fg.absent.discard(i)
-        self._passes[p] = n + 1
-        self._seen[p] = alias._version
 
     def _run_extra(self, closure) -> int:
         """One call of the user's ``closure`` (an extra micro-batch); returns its backward passes."""
@@ -526,6 +513,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._history.append(rec)
         if len(self._history) > 100000:
             del self._history[:50000]
+
+    def last_step(self) -> Optional[dict]:
+        """The record of the latest step (as in ``stats()["history"]``; None before the first), without
+        copying the history: cheap enough to read every step (e.g. HSP's ``micro_batches``)."""
+        return dict(self._history[-1]) if self._history else None
 
     def stats(self) -> dict:
         """Per-step records (critical fraction, bytes in each stage, stage-1 time, stage-2 wait,

@@ -116,8 +116,8 @@ class HSPMode(Mode):
         rec = {"critical_fraction": 1.0, "bytes_stage1": ctx.nbytes, "bytes_stage2": 0, "stage1_s": t2 - t1,
                "stage2_wait_s": 0.0, "micro_batches": counts, "extras": extras, "wait_s": wait_s}
         # the sum over ranks is identical everywhere, so every rank scales, checks and steps alike
-        ctx.scale_grads(inp.passes / sum(counts))  # the mean per pass, at BSP's scale
-        ctx.scale_grads(inp.unscale)
+        # the mean per pass at BSP's scale, unscaled for a GradScaler: one pass over the gradients
+        ctx.scale_grads(inp.passes / sum(counts) * (inp.unscale if inp.unscale is not None else 1.0))
         for fg, a in zip(ctx.groups, ctx.absent_everywhere(host[3 * size:])):
             fg.set_grads(a)
         if ctx.any_nonfinite():
@@ -148,12 +148,7 @@ class HSPMode(Mode):
         if left >= 0.5 * mb:
             return False
         margin = max(0.5 * mb, 2e-3) if self._t_synced is not None else max(0.5 * mb, 2e-2)
-        deadline = time.perf_counter() + max(left, 0.0) + margin
-        while not comm.poll(ready):
-            if time.perf_counter() >= deadline:
-                return False
-            time.sleep(1e-4)
-        return True
+        return comm.done_within(ready, max(left, 0.0) + margin, max_pause=1e-4)
 
     def stats(self) -> dict:
         t = self._totals

@@ -128,7 +128,12 @@ def rank_results(outdir, nranks: int, proc) -> list:
     results = [json.loads(open(f).read()) for f in sorted(glob.glob(os.path.join(str(outdir), "rank*.json")))]
     assert len(results) == nranks, f"{len(results)} of {nranks} ranks reported\n{proc.stdout[-3000:]}"
     for r in results:
-        assert not r["errors"], r["errors"]
-        failed = {k: v["detail"] for k, v in r["checks"].items() if not v["ok"]}
-        assert not failed, f"rank {r['rank']}: {failed}"
+        assert_passed(r)
     return results
+
+
+def assert_passed(result: dict) -> None:
+    """One rank's named checks: no error recorded, no check failed."""
+    assert not result["errors"], result["errors"]
+    failed = {k: v["detail"] for k, v in result["checks"].items() if not v["ok"]}
+    assert not failed, f"rank {result['rank']}: {failed}"

@@ -67,6 +67,7 @@ def test_one_rank_hsp_is_the_plain_optimizer(one_rank, bpps):
             for x, y in xs:
                 torch.nn.functional.cross_entropy(m(x), y).backward()
         assert opt.step(lambda: called.append(1)) is None
+        assert opt.last_step()["micro_batches"] == [bpps] and opt.last_step()["extras"] == 0
         ref.step()
     assert not called
     st = opt.stats()

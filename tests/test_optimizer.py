@@ -29,9 +29,7 @@ def run_scenario(scenario, backend, nranks, tmp_path, launcher=None, expect_ok=T
 def assert_checks(results, nranks, expected_names=None, nchecks=None):
     assert len(results) == nranks, f"{len(results)} of {nranks} ranks reported"
     for r in results:
-        assert not r["errors"], r["errors"]
-        failed = {k: v["detail"] for k, v in r["checks"].items() if not v["ok"]}
-        assert not failed, f"rank {r['rank']}: {failed}"
+        launch.assert_passed(r)
         if nchecks is not None:
             assert len(r["checks"]) == nchecks, sorted(r["checks"])
         for name in expected_names or ():

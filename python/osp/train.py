@@ -100,6 +100,9 @@ class Progress:
             print(text, flush=True)
 
 
+OSP_MODES = ("bsp", "osp", "dsync", "hsp")  # the --sync choices that osp.DistributedOptimizer runs
+
+
 def make_optimizer(args, model, comm, backend):
     if args.optimizer == "sgd":
         inner = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=args.weight_decay)
@@ -127,9 +130,6 @@ def make_optimizer(args, model, comm, backend):
         inner = type(inner)(ddp.parameters(), **inner.defaults)
         return ddp, inner
     raise ValueError(f"unknown --sync {args.sync!r}")
-
-
-OSP_MODES = ("bsp", "osp", "dsync", "hsp")
 
 
 def parse_straggler(text: str, size: int):
@@ -272,7 +272,7 @@ def main(argv=None):
             loss = micro_batch()
             if args.sync == "hsp":  # ranks that are ahead compute more micro-batches meanwhile
                 opt.step(micro_batch)
-                done += sum(opt.stats()["history"][-1]["micro_batches"])
+                done += sum(opt.last_step()["micro_batches"])
             else:
                 opt.step()
                 done += size

@@ -9,6 +9,7 @@ from a launcher's environment is ``osp.launcher.init_from_env``.
 from __future__ import annotations
 
 import abc
+import os
 import time
 from typing import Any, Optional
 
@@ -89,6 +90,12 @@ class Comm(abc.ABC):
         """Whether the engine is still up (its work can still be waited for)."""
         return True
 
+    @property
+    def elastic(self) -> bool:
+        """Whether ranks may join while others train (Horovod Elastic): then no collective may run
+        outside the elastic run function."""
+        return False
+
     def check_dtype(self, dtype: torch.dtype, what: str) -> None:
         """Raise ``ValueError`` if this engine cannot average tensors of ``dtype``."""
         return None
@@ -162,6 +169,10 @@ class HorovodComm(Comm):
 
     def active(self):
         return bool(self.hvd.is_initialized())
+
+    @property
+    def elastic(self):
+        return os.environ.get("HOROVOD_ELASTIC") == "1"  # set by horovodrun for elastic workers
 
     def check_dtype(self, dtype, what):
         if dtype == torch.bfloat16:  # Horovod 0.28 has no bfloat16 collectives, on CPUs or GPUs

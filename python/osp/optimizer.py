@@ -22,7 +22,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from . import ops
+from . import ops, teardown
 from .comm import Comm, get_comm
 from .layout import FlatGroup
 from .modes.base import Context, Mode, Options, StepInput
@@ -51,7 +51,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             checksum replicas. ``None``: nothing is called.
 
     Parameters are moved into one flat buffer per param group and dtype (they become views into it);
-    gradients too. All ranks must build the optimizer with the same parameters (checked here).
+    gradients too. All ranks must build the optimizer with the same parameters (checked here; under
+    Horovod Elastic by ``osp.elastic.State`` when it syncs).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, named_parameters=None, sync=None,
@@ -88,7 +89,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.comm: Comm = get_comm(backend)
         names = self._names(named_parameters)
         uid = next(_UIDS)
-        self._check_same_everywhere(names, uid)
+        self._signature = (names, uid)
+        # under Horovod Elastic a rank may join while the others train, and no collective may run outside
+        # hvd.elastic.run: osp.elastic.State's sync() runs this check on every rank, new ones too
+        if not self.comm.elastic:
+            self.check_world()
         self._build_groups(names)
         self._group_shape = self._param_group_shape()
         self._fresh = False  # a backward ran since the last step
@@ -536,6 +541,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         out.update(self.mode.stats())
         return out
 
+    @property
+    def in_flight(self) -> bool:
+        """Whether collectives or exact corrections of earlier steps are pending (``flush()`` ends them)."""
+        return self.mode.in_flight
+
     @torch.no_grad()
     def flush(self) -> None:
         """Finish all in-flight work and apply the exact updates: call on every rank before
@@ -544,6 +554,30 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if skipped:
             self._totals["skipped_steps"] += skipped
             self._warn_skipped()
+
+    # -- membership changes (osp.elastic) ---------------------------------------------------------
+    def reset_world(self) -> None:
+        """The engine was restarted, possibly with other ranks (Horovod Elastic's reset after a failure
+        or a host change): drop whatever is in flight (the engine that carried it is gone), forget the
+        step being accumulated, and rebuild the mode for the engine's world as it is now. The mode keeps
+        the state every rank shares (OSP's block scores); its budget measures again in a world of another
+        size. Local, no collective: afterwards every rank must load the same state (``osp.elastic.State``
+        restores the last commit and broadcasts it to new ranks)."""
+        teardown.forget(self.comm)
+        kept = self.mode.state_dict()
+        self.mode = self.sync.build(self._ctx)
+        self.mode.load_state_dict(kept)
+        self._fresh = False
+        self._task = None
+        self._in_extra = False
+        self._t_end = None
+        self._new_accumulation()
+
+    def check_world(self) -> None:
+        """A collective: every rank of the engine's world wraps the same parameters with the same
+        options (as checked at construction; e.g. for a rank that joined since); the same ValueError on
+        every rank otherwise."""
+        self._check_same_everywhere(*self._signature)
 
     # -- checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> dict:

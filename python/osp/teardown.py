@@ -83,6 +83,14 @@ def finished(handle: "Handle") -> None:
     _inflight.pop(id(handle), None)
 
 
+def forget(comm: "Comm") -> None:
+    """``comm``'s engine was restarted (Horovod Elastic's reset): its collectives in flight are gone
+    with it, and nobody may wait for them at exit."""
+    for key, (c, _) in list(_inflight.items()):
+        if type(c) is type(comm):  # every Comm of a kind runs on the one engine of the process
+            del _inflight[key]
+
+
 def _exiting_on_exception() -> bool:
     # set by the interpreter's handler of an uncaught exception (not by SystemExit) before atexit runs
     return getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None

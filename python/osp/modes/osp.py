@@ -102,7 +102,8 @@ class OSPMode(Mode):
 
     def __init__(self, options: OSP, ctx: Context):
         super().__init__(options, ctx)
-        self.budget = Budget(options.critical, options.min_critical, warmup=options.warmup)
+        self.budget = self._new_budget()
+        self._size = ctx.comm.size  # the world the budget measures in
         self.corrector = corrector_for(ctx.optimizer)
         dev = ctx.device
         self.nblocks = ctx.nblocks
@@ -121,6 +122,9 @@ class OSPMode(Mode):
     @property
     def in_flight(self):
         return bool(self._pending)
+
+    def _new_budget(self) -> Budget:
+        return Budget(self.options.critical, self.options.min_critical, warmup=self.options.warmup)
 
     # -- the split ------------------------------------------------------------------------------
     def _select(self) -> List[int]:
@@ -294,14 +298,18 @@ class OSPMode(Mode):
 
     # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self):
-        # the next split is chosen from the scores: needed to resume bitwise
-        return {"budget": self.budget.state_dict(),
+        # the next split is chosen from the scores: needed to resume bitwise; the budget's figures hold
+        # for the world size they were measured in
+        return {"budget": self.budget.state_dict(), "size": self._size,
                 "scores": None if self.scores is None else self.scores.detach().cpu().clone()}
 
     def load_state_dict(self, state):
         if "budget" not in state:
             return
-        self.budget.load_state_dict(state["budget"])
+        if state.get("size", self._size) == self._size:
+            self.budget.load_state_dict(state["budget"])
+        else:  # measured in a world of another size: measure again
+            self.budget = self._new_budget()
         scores = state.get("scores")
         if scores is not None and scores.numel() != self.nblocks:
             raise ValueError(f"osp: the checkpoint's scores cover {scores.numel()} blocks, this "

@@ -10,5 +10,14 @@ from .modes import BSP, HSP, OSP, DSync
 from .optimizer import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters, sync_buffers
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # osp.elastic imports Horovod: only when asked for
+    if name == "elastic":
+        import importlib
+
+        return importlib.import_module(".elastic", __name__)
+    raise AttributeError(f"module 'osp' has no attribute {name!r}")
 __all__ = ["ops", "BSP", "OSP", "DSync", "HSP", "DistributedOptimizer", "broadcast_parameters",
            "broadcast_optimizer_state", "sync_buffers", "init_from_env", "__version__"]

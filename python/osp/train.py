@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 
@@ -180,6 +181,279 @@ def evaluate(model, x, y):
     return loss, acc
 
 
+def parse_rank_step(flag: str, text: str, size: int):
+    """``RANK:STEP`` -> (rank, step), for ``--fault``."""
+    try:
+        r, s = (int(v) for v in text.split(":"))
+    except ValueError:
+        raise ValueError(f"{flag} must be RANK:STEP (e.g. 1:10), got {text!r}") from None
+    if not 0 <= r < size or s < 1:
+        raise ValueError(f"{flag} {text}: RANK must be in [0, {size - 1}] and STEP >= 1")
+    return r, s
+
+
+def digest(model) -> str:
+    """SHA-256 of the parameters and buffers, bit for bit: equal digests are bitwise equal replicas."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def new_position(size: int) -> dict:
+    """Where a run stands: plain values only (committed by osp.elastic.State, saved in checkpoints)."""
+    return {"epoch": 0, "done": 0, "step": 0, "nsteps": 0, "tot": 0.0, "epoch_s": 0.0, "history": [],
+            "train_time": 0.0, "samples_total": 0, "drawn": [0] * size, "stopped": False, "resets": []}
+
+
+class Job:
+    """The example job's model, optimizer and data, and its training loop, shared by every way of running
+    it: plainly, resumed from checkpoints (torchrun restarts) or under Horovod Elastic.
+
+    Which samples a step computes: epoch e shuffles the training set with seed ``seed * 1000 + e``; a
+    step takes the next ``ranks * batch`` of them and rank r every ranks-th (so a world that changes size
+    mid-epoch goes on where it stood). Under HSP each rank instead reads an endless stream of its own
+    shards (``micro_batches``), extras included; ``done`` counts micro-batches of all ranks."""
+
+    def __init__(self, args, comm, model, opt, data, slow_s: float, progress):
+        self.args, self.comm, self.model, self.opt, self.progress = args, comm, model, opt, progress
+        self.x_train, self.y_train, self.x_test, self.y_test = data
+        self.n = len(self.y_train)
+        self.slow_s = slow_s
+        self.hsp = args.sync == "hsp"
+        self._perm = (None, None)
+        self._stream = None
+        self.started_at_zero = True  # this process trained from step 0 (a --fault fires only in such)
+        self.verified = 0  # --verify-replicas: checks passed in this process
+        if args.verify_replicas and isinstance(opt, osp.DistributedOptimizer):
+            opt.on_synced = self.verify
+
+    def _epoch_perm(self, epoch: int) -> torch.Tensor:
+        if self._perm[0] != epoch:
+            g = torch.Generator().manual_seed(self.args.seed * 1000 + epoch)
+            self._perm = (epoch, torch.randperm(self.n, generator=g))
+        return self._perm[1]
+
+    def steps_per_epoch(self, size: int) -> int:
+        return self.n // (self.args.batch_size * size)
+
+    def epoch_done(self, pos: dict, size: int) -> bool:
+        if self.hsp:
+            return pos["done"] >= self.steps_per_epoch(size) * size
+        return (pos["done"] + size) * self.args.batch_size > self.n
+
+    def start_streams(self, pos: dict) -> None:
+        """HSP: this rank's stream, at the place ``pos`` says it stood."""
+        rank, size = self.comm.rank, self.comm.size
+        self._stream = micro_batches(rank, size, self.n, self.args.batch_size, self.steps_per_epoch(size),
+                                     self.args.seed)
+        for _ in range(pos["drawn"][rank]):
+            next(self._stream)
+        self._drawn = pos["drawn"][rank]
+
+    def micro_batch(self, pos: dict):
+        """Forward and backward of this rank's next micro-batch (slowed on the straggler)."""
+        b = self.args.batch_size
+        if self.hsp:
+            idx = next(self._stream)
+            self._drawn += 1
+        else:
+            rank, size = self.comm.rank, self.comm.size
+            idx = self._epoch_perm(pos["epoch"])[pos["done"] * b:(pos["done"] + size) * b][rank::size]
+        loss = F.cross_entropy(self.model(self.x_train[idx]), self.y_train[idx])
+        if self.slow_s:
+            time.sleep(self.slow_s)
+        loss.backward()
+        return loss
+
+    def exact(self) -> None:
+        """Exact, equal replicas: finish osp's work in flight, and equal buffers (BatchNorm statistics)."""
+        if isinstance(self.opt, osp.DistributedOptimizer):
+            self.opt.flush()
+            osp.sync_buffers(self.model, backend=self.comm)
+
+    def verify(self, *_) -> None:
+        """``--verify-replicas``: every rank's parameters and buffers must be bitwise equal here (a
+        collective; called where the replicas are exact: osp's ``on_synced``, commits, checkpoints)."""
+        if not self.args.verify_replicas:
+            return
+        digests = self.comm.allgather_object(digest(self.model))
+        if len(set(digests)) > 1:
+            raise RuntimeError(f"osp.train: --verify-replicas: the replicas differ (digests per rank: "
+                               f"{[d[:12] for d in digests]})")
+        self.verified += 1
+
+    def gather_drawn(self, pos: dict) -> None:
+        if self.hsp:
+            pos["drawn"] = self.comm.allgather_object(self._drawn)
+
+    def run(self, pos: dict, after_step=None, after_epoch=None) -> dict:
+        """Train from ``pos`` to the last epoch (or ``--stop-at-acc``), updating ``pos`` as it goes;
+        ``after_step(pos)`` / ``after_epoch(pos)`` are called after each (commits, checkpoints)."""
+        args, opt = self.args, self.opt
+        if self.hsp:
+            self.start_streams(pos)
+        while pos["epoch"] < args.epochs and not pos["stopped"]:
+            size = self.comm.size
+            t0 = time.perf_counter() - pos["epoch_s"]
+            total = self.steps_per_epoch(size) * size
+            while not self.epoch_done(pos, size):
+                opt.zero_grad()
+                loss = self.micro_batch(pos)
+                if self.hsp:  # ranks that are ahead compute more micro-batches meanwhile
+                    opt.step(lambda: self.micro_batch(pos))
+                    pos["done"] += sum(opt.last_step()["micro_batches"])
+                else:
+                    opt.step()
+                    pos["done"] += size
+                pos["step"] += 1
+                pos["nsteps"] += 1
+                pos["tot"] += loss.item()
+                pos["epoch_s"] = time.perf_counter() - t0
+                self.progress.update(pos["epoch"], args.epochs, min(pos["done"], total) - 1, total, loss.item())
+                if after_step is not None:
+                    after_step(pos)
+            self.exact()
+            dt = time.perf_counter() - t0
+            test_loss, test_acc = evaluate(self.model, self.x_test, self.y_test)
+            rec = {"epoch": pos["epoch"] + 1, "train_loss": pos["tot"] / max(pos["nsteps"], 1),
+                   "test_loss": test_loss, "test_acc": test_acc,
+                   "samples_per_s": pos["done"] * args.batch_size / dt, "steps": pos["nsteps"], "epoch_s": dt,
+                   "wall_s": pos["train_time"] + dt, "ranks": size}
+            pos.update(epoch=pos["epoch"] + 1, done=0, nsteps=0, tot=0.0, epoch_s=0.0,
+                       train_time=pos["train_time"] + dt,
+                       samples_total=pos["samples_total"] + pos["done"] * args.batch_size)
+            pos["history"].append(rec)
+            self.progress.epoch(f"epoch {rec['epoch']:3d}  loss {rec['train_loss']:.4f}  test acc "
+                                f"{100 * test_acc:6.2f}%  {rec['samples_per_s']:8.0f} samples/s")
+            # every rank evaluates the same parameters on the same data, so all stop at the same epoch
+            pos["stopped"] = args.stop_at_acc is not None and test_acc >= args.stop_at_acc
+            if after_epoch is not None:
+                after_epoch(pos)
+        return pos
+
+
+class Faults:
+    """``--fault RANK:STEP`` (repeatable): that rank kills itself (SIGKILL) right after step STEP's update,
+    with OSP's stage 2 still in flight; only in a process that trained from step 0, so a restarted or
+    re-joined one does not fail again."""
+
+    def __init__(self, specs, job: Job):
+        self.specs, self.job = list(specs), job
+
+    def __call__(self, pos: dict) -> None:
+        if not self.job.started_at_zero:
+            return
+        for rank, step in self.specs:
+            if pos["step"] == step and self.job.comm.rank == rank:
+                sys.stdout.flush()
+                sys.stderr.write(f"osp.train: --fault: rank {rank} kills itself after step {step}\n")
+                sys.stderr.flush()
+                os.kill(os.getpid(), signal.SIGKILL)
+
+
+CHECKPOINT_KEYS = ("sync", "critical", "delay", "optimizer", "batch_size", "width", "channels", "seed")
+
+
+def run_with_checkpoints(job: Job, pos: dict, fault: Faults) -> dict:
+    """``--checkpoint-dir``: resume from the newest good checkpoint there (rank 0 reads it and broadcasts
+    it), then save one every ``--checkpoint-every`` steps and at every epoch's end (rank 0 writes)."""
+    from .checkpoint import CheckpointDir, CorruptCheckpoint
+
+    args, comm = job.args, job.comm
+    ckdir, found = None, None
+    if comm.rank == 0:
+        ckdir = CheckpointDir(args.checkpoint_dir)
+        try:
+            found = ckdir.load_latest()
+        except CorruptCheckpoint as e:
+            found = str(e)
+    found = comm.broadcast_object(found, 0)
+    if isinstance(found, str):  # rank 0 could not read any: the same error everywhere
+        raise SystemExit(found)
+    if found is not None:
+        step, path, ck = found
+        mine = {k: getattr(args, k) for k in CHECKPOINT_KEYS}
+        diff = {k: (ck["config"].get(k), v) for k, v in mine.items() if ck["config"].get(k) != v}
+        if diff:
+            raise SystemExit(f"osp.train: checkpoint {path} was written by another configuration "
+                             f"(checkpoint vs this run: {diff}); use another --checkpoint-dir")
+        if job.hsp and len(ck["pos"]["drawn"]) != comm.size:
+            raise SystemExit(f"osp.train: checkpoint {path} is of an HSP run on {len(ck['pos']['drawn'])} ranks; "
+                             f"HSP resumes on as many ranks (this run has {comm.size})")
+        job.model.load_state_dict(ck["model"])
+        job.opt.load_state_dict(ck["optimizer"])
+        pos.clear()
+        pos.update(ck["pos"])
+        job.started_at_zero = False
+        if comm.rank == 0:
+            print(f"resumed from step {step} (epoch {pos['epoch'] + 1}, {path})", flush=True)
+
+    def save(pos):
+        job.exact()
+        job.verify()
+        job.gather_drawn(pos)
+        if comm.rank == 0:
+            ckdir.save(pos["step"], {"model": job.model.state_dict(), "optimizer": job.opt.state_dict(),
+                                     "pos": pos, "config": {k: getattr(args, k) for k in CHECKPOINT_KEYS}})
+
+    def after_step(pos):
+        fault(pos)
+        if pos["step"] % args.checkpoint_every == 0:
+            save(pos)
+
+    return job.run(pos, after_step, save)
+
+
+def run_elastic(job: Job, pos: dict, fault: Faults) -> dict:
+    """``--elastic``: under ``horovodrun --min-np/--max-np``. A commit every ``--commit-every`` steps
+    and at every epoch's end; after a failure the survivors go on from the last commit, and ranks that
+    join receive it by broadcast."""
+    import copy
+
+    from . import elastic
+
+    args, comm = job.args, job.comm
+    state = elastic.State(job.model, job.opt, pos=copy.deepcopy(pos))
+    seen = {"step": None, "t": None, "size": None}  # this process: the last step it finished, when, in what world
+
+    def commit(pos):
+        state.pos = copy.deepcopy(pos)  # a copy: the committed position must not move with the loop's
+        state.commit()  # flushes first
+        job.verify()
+
+    @elastic.run
+    def train(state):
+        pos = copy.deepcopy(state.pos)
+        if pos["step"] > 0 and seen["step"] is None:
+            job.started_at_zero = False  # joined a running job
+        reset = None
+        if seen["step"] is not None:  # back after a reset: a failure (restored) or a host change
+            reset = {"from_step": seen["step"], "to_step": pos["step"], "steps_redone": seen["step"] - pos["step"],
+                     "ranks_before": seen["size"], "ranks_after": comm.size}
+
+        def after_step(pos):
+            nonlocal reset
+            fault(pos)
+            now = time.perf_counter()
+            if reset is not None:  # the gap in this rank's step timeline around the reset
+                reset["recover_s"] = now - seen["t"]
+                pos["resets"].append(reset)
+                if comm.rank == 0:
+                    print(f"osp.train: reset: {reset}", flush=True)
+                reset = None
+            seen.update(step=pos["step"], t=now, size=comm.size)
+            if pos["step"] % args.commit_every == 0:
+                commit(pos)
+
+        return job.run(pos, after_step, commit)
+
+    return train(state)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sync", choices=["bsp", "osp", "dsync", "hsp", "hvd", "ddp"], default="osp")
@@ -205,6 +479,23 @@ def main(argv=None):
                     help="where the model lives (cuda: the GPU of each rank's local rank; NCCL with torch)")
     ap.add_argument("--stop-at-acc", type=float, default=None, metavar="ACC",
                     help="stop after the first epoch whose test accuracy (a fraction) reaches ACC")
+    ap.add_argument("--elastic", action="store_true",
+                    help="run under Horovod Elastic (horovodrun --min-np/--max-np --host-discovery-script): "
+                         "ranks may fail, leave and join; osp/bsp/dsync")
+    ap.add_argument("--commit-every", type=int, default=10, metavar="N",
+                    help="--elastic: commit the state every N steps (and at each epoch's end); a failure "
+                         "redoes at most the steps since the last commit")
+    ap.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                    help="save checkpoints here (atomically; the newest two are kept) and, started again with "
+                         "the same DIR (e.g. by torchrun --max-restarts), resume from the newest good one")
+    ap.add_argument("--checkpoint-every", type=int, default=20, metavar="N",
+                    help="with --checkpoint-dir: a checkpoint every N steps (and at each epoch's end)")
+    ap.add_argument("--fault", action="append", default=[], metavar="RANK:STEP",
+                    help="to try recovery: RANK kills itself (SIGKILL) right after step STEP's update, once "
+                         "(not again in a restarted or joined process); repeatable")
+    ap.add_argument("--verify-replicas", action="store_true",
+                    help="check that every rank's parameters are bitwise equal wherever they are exact (every "
+                         "step under OSP, every commit or checkpoint): a collective each time, for tests")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--json", default=None, help="write metrics here (rank 0)")
@@ -217,6 +508,14 @@ def main(argv=None):
             ap.error(f"--critical must be a number in [0, 1] or 'auto', got {args.critical!r}")
     if args.delay != "auto" and not args.delay.isdigit():
         ap.error(f"--delay must be an integer >= 1 or 'auto', got {args.delay!r}")
+    for flag in ("commit_every", "checkpoint_every"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag.replace('_', '-')} must be an integer >= 1, got {getattr(args, flag)}")
+    if args.elastic:
+        if args.sync not in ("bsp", "osp", "dsync"):
+            ap.error(f"--elastic runs --sync bsp, osp or dsync (osp.elastic.State), got --sync {args.sync}")
+        if args.checkpoint_dir is not None or args.straggler is not None:
+            ap.error("--elastic commits in memory: leave out --checkpoint-dir and --straggler")
 
     torch.set_num_threads(args.threads)
     backend = detect_backend() if args.backend == "auto" else args.backend
@@ -224,82 +523,56 @@ def main(argv=None):
         ap.error("--sync hvd needs horovodrun/mpirun with the horovod backend")
     if args.sync == "ddp" and backend == "horovod":
         ap.error("--sync ddp needs torch.distributed (torchrun, or --backend torch)")
+    if args.elastic and backend != "horovod":
+        ap.error("--elastic needs horovodrun (Horovod Elastic); under torchrun use --checkpoint-dir")
     comm, backend = init(backend, args.device)
     rank, size = comm.rank, comm.size
     straggler = None
-    if args.straggler is not None:
-        try:
+    try:
+        if args.straggler is not None:
             straggler = parse_straggler(args.straggler, size)
-        except ValueError as e:
-            ap.error(str(e))
+        faults = [parse_rank_step("--fault", f, size) for f in args.fault]
+    except ValueError as e:
+        ap.error(str(e))
 
     dev = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
-    x_train, y_train, x_test, y_test = (t.to(dev) for t in load_digits_split())
+    data = tuple(t.to(dev) for t in load_digits_split())
     torch.manual_seed(args.seed)
     model = DigitsCNN(args.width, args.channels).to(dev)
-    osp.broadcast_parameters(model.state_dict(), root_rank=0, backend=comm)
+    if not args.elastic:  # under Horovod Elastic, osp.elastic.State broadcasts them (inside its run function)
+        osp.broadcast_parameters(model.state_dict(), root_rank=0, backend=comm)
     # the straggler's extra compute: a sleep between forward and backward (so DDP's and Horovod's
     # in-backward averaging start late too), FACTOR-1 times its measured micro-batch
     slow_s = 0.0
     if straggler is not None and straggler[0] == rank:
-        slow_s = (straggler[1] - 1.0) * micro_batch_seconds(model, x_train[:args.batch_size],
-                                                            y_train[:args.batch_size])
+        slow_s = (straggler[1] - 1.0) * micro_batch_seconds(model, data[0][:args.batch_size],
+                                                            data[1][:args.batch_size])
     model, opt = make_optimizer(args, model, comm, comm if args.sync in OSP_MODES else backend)
     nparams = sum(p.numel() for p in model.parameters())
 
-    steps = len(y_train) // (args.batch_size * size)
     progress = Progress(rank == 0 and not args.no_progress)
     if rank == 0:
         progress.epoch(f"osp.train: sync={args.sync} critical={args.critical} ranks={size} backend={backend} "
-                       f"params={nparams} steps/epoch={steps} seed={args.seed}")
-    history, train_time, samples_total = [], 0.0, 0
-    batches = micro_batches(rank, size, len(y_train), args.batch_size, steps, args.seed)
-
-    def micro_batch():
-        """Forward and backward of this rank's next micro-batch (slowed on the straggler)."""
-        idx = next(batches)
-        loss = F.cross_entropy(model(x_train[idx]), y_train[idx])
-        if slow_s:
-            time.sleep(slow_s)
-        loss.backward()
-        return loss
-
-    for epoch in range(args.epochs):
-        t0 = time.perf_counter()
-        tot, done, nsteps = 0.0, 0, 0  # micro-batches of all ranks this epoch, steps
-        while done < steps * size:
-            opt.zero_grad()
-            loss = micro_batch()
-            if args.sync == "hsp":  # ranks that are ahead compute more micro-batches meanwhile
-                opt.step(micro_batch)
-                done += sum(opt.last_step()["micro_batches"])
-            else:
-                opt.step()
-                done += size
-            nsteps += 1
-            tot += loss.item()
-            progress.update(epoch, args.epochs, min(done, steps * size) - 1, steps * size, loss.item())
-        if isinstance(opt, osp.DistributedOptimizer):
-            opt.flush()  # exact parameters before evaluating
-            osp.sync_buffers(model, backend=comm)  # equal buffers (BatchNorm statistics) on every rank
-        dt = time.perf_counter() - t0
-        train_time += dt
-        samples_total += done * args.batch_size
-        test_loss, test_acc = evaluate(model, x_test, y_test)
-        rec = {"epoch": epoch + 1, "train_loss": tot / nsteps, "test_loss": test_loss, "test_acc": test_acc,
-               "samples_per_s": done * args.batch_size / dt, "steps": nsteps, "epoch_s": dt, "wall_s": train_time}
-        history.append(rec)
-        progress.epoch(f"epoch {epoch + 1:3d}  loss {rec['train_loss']:.4f}  test acc {100 * test_acc:6.2f}%  "
-                       f"{rec['samples_per_s']:8.0f} samples/s")
-        # every rank evaluates the same parameters on the same data, so all stop at the same epoch
-        if args.stop_at_acc is not None and test_acc >= args.stop_at_acc:
-            break
+                       f"params={nparams} steps/epoch={len(data[1]) // (args.batch_size * size)} seed={args.seed}")
+    job = Job(args, comm, model, opt, data, slow_s, progress)
+    faults = Faults(faults, job)
+    pos = new_position(size)
+    if args.elastic:
+        pos = run_elastic(job, pos, faults)
+    elif args.checkpoint_dir is not None:
+        pos = run_with_checkpoints(job, pos, faults)
+    else:
+        pos = job.run(pos, faults)
+    rank, size = comm.rank, comm.size  # under --elastic the world may have changed
+    history = pos["history"]
     sleeps = comm.allgather_object(slow_s)  # per rank: its sleep per micro-batch (the straggler's)
+    digests = comm.allgather_object(digest(model))  # equal on every rank: bitwise equal replicas
     result = {"config": vars(args) | {"ranks": size, "backend": backend, "params": nparams,
                                       "straggler_sleep_s": sleeps},
               "epochs": history, "final_test_acc": history[-1]["test_acc"] if history else None,
-              "samples_per_s": samples_total / max(train_time, 1e-9),
-              "train_s": train_time}
+              "samples_per_s": pos["samples_total"] / max(pos["train_time"], 1e-9),
+              "train_s": pos["train_time"], "steps": pos["step"], "replica_digests": digests,
+              "resets": pos["resets"], "replica_checks": job.verified}
     if isinstance(opt, osp.DistributedOptimizer):
         st = opt.stats()
         result["osp_stats"] = {"mean": st["mean"], "skipped_steps": st["skipped_steps"]}

@@ -137,3 +137,94 @@ def assert_passed(result: dict) -> None:
     assert not result["errors"], result["errors"]
     failed = {k: v["detail"] for k, v in result["checks"].items() if not v["ok"]}
     assert not failed, f"rank {result['rank']}: {failed}"
+
+
+def local_host_aliases(n: int) -> list:
+    """``n`` distinct names of this machine that Horovod runs locally (each resolves to one of its own
+    addresses): Horovod Elastic treats each as a host of its own, so blacklisting one (the host of a
+    rank that failed) leaves the others."""
+    import psutil
+
+    local = {a.address for addrs in psutil.net_if_addrs().values() for a in addrs if a.family == socket.AF_INET}
+    names = ["localhost", "127.0.0.1", socket.gethostname(), *sorted(local - {"127.0.0.1"})]
+    out = []
+    for name in names:
+        try:
+            ok = socket.gethostbyname(name) in local
+        except OSError:
+            ok = False
+        if ok and name not in out:
+            out.append(name)
+    if len(out) < n:
+        raise RuntimeError(f"need {n} local host names for Horovod Elastic, found {out}")
+    return out[:n]
+
+
+class ElasticJob:
+    """``horovodrun --gloo`` elastic, its hosts read by a discovery script from a file the test rewrites
+    (``set_hosts``); the output is read as it comes (``wait_for``), and a hard time limit kills it all."""
+
+    def __init__(self, tmp, hosts, argv, np_: int, min_np: int, max_np: int, timeout: float, extra=()):
+        self.tmp = str(tmp)
+        self.hosts_file = os.path.join(self.tmp, "hosts")
+        self.set_hosts(hosts)
+        script = os.path.join(self.tmp, "discover.sh")
+        with open(script, "w") as f:
+            f.write(f"#!/bin/sh\ncat {self.hosts_file}\n")
+        os.chmod(script, 0o755)
+        exe = shutil.which("horovodrun", path=os.path.dirname(PY)) or shutil.which("horovodrun")
+        cmd = [exe, "--gloo", "-np", str(np_), "--min-np", str(min_np), "--max-np", str(max_np),
+               "--host-discovery-script", script, "--start-timeout", "60",
+               # a rank that fails again at every restart (a bug) ends the job instead of looping
+               "--reset-limit", "4", *extra, PY, *argv]
+        self.deadline = time.monotonic() + timeout
+        self.lines: list = []
+        self.proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
+        import threading
+
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def set_hosts(self, hosts) -> None:
+        tmp = self.hosts_file + ".new"
+        with open(tmp, "w") as f:
+            f.write("".join(f"{h}:1\n" for h in hosts))
+        os.replace(tmp, self.hosts_file)
+
+    def wait_for(self, text: str, after: int = 0) -> int:
+        """Wait until an output line (from line ``after`` on) contains ``text``; its index. Fails at once
+        when a rank reports different replicas (``--verify-replicas``), or when the job has ended."""
+        failed = False
+        while time.monotonic() < self.deadline and not failed:
+            for i in range(after, len(self.lines)):
+                if text in self.lines[i]:
+                    return i
+                failed |= "--verify-replicas: the replicas differ" in self.lines[i]
+            if self.proc.poll() is not None and not self._reader.is_alive():
+                break
+            time.sleep(0.05)
+        self.kill()
+        raise AssertionError(f"never printed {text!r}\n{self.output()[-6000:]}")
+
+    def finish(self) -> subprocess.CompletedProcess:
+        try:
+            rc = self.proc.wait(timeout=max(0.1, self.deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"elastic job timed out\n{self.output()[-6000:]}") from None
+        self._reader.join(10)
+        out = self.output()
+        return subprocess.CompletedProcess(self.proc.args, rc, out, out)
+
+    def kill(self):
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def output(self) -> str:
+        return "".join(self.lines)

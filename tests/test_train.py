@@ -60,3 +60,16 @@ def test_train_rejects_bad_options():
     p = subprocess.run([sys.executable, "-m", "osp.train", "--sync", "hsp", "--straggler", "2:2"], capture_output=True,
                        text=True, timeout=120)
     assert p.returncode == 2 and "--straggler 2:2: RANK must be in [0, 0] and FACTOR >= 1" in p.stderr
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--fault", "1:5"], "--fault 1:5: RANK must be in [0, 0] and STEP >= 1"),
+    (["--fault", "0:x"], "--fault must be RANK:STEP (e.g. 1:10), got '0:x'"),
+    (["--elastic", "--sync", "hsp"], "--elastic runs --sync bsp, osp or dsync (osp.elastic.State), got --sync hsp"),
+    (["--elastic"], "--elastic needs horovodrun (Horovod Elastic); under torchrun use --checkpoint-dir"),
+    (["--checkpoint-every", "0"], "--checkpoint-every must be an integer >= 1, got 0"),
+])
+def test_train_rejects_bad_fault_and_restart_options(argv, message):
+    p = subprocess.run([sys.executable, "-m", "osp.train", "--epochs", "1", *argv], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 2 and message in p.stderr, p.stderr[-2000:]

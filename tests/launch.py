@@ -113,6 +113,20 @@ def run(launcher: str, np_: int, argv: Sequence[str], timeout: float = 240, env=
     return subprocess.run(cmd, env=_env(extra), capture_output=True, text=True, timeout=timeout)
 
 
+def run_cmd(cmd, timeout: float, env=None) -> subprocess.CompletedProcess:
+    """Run a launcher command in a session of its own; past ``timeout`` kill the whole session (the
+    launcher and every rank it started), so nothing is left to load the machine."""
+    p = subprocess.Popen(cmd, env=_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        raise AssertionError(f"timed out after {timeout} s: {cmd}\n{out[-3000:]}\n{err[-3000:]}") from None
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
 def check(proc) -> None:
     assert proc.returncode == 0, (
         f"ranks failed (exit {proc.returncode})\n--- stdout\n{proc.stdout[-6000:]}\n--- stderr\n"

@@ -49,6 +49,34 @@ def init_from_env(backend: str, timeout_s: Optional[float] = None, device="cpu")
         kw = {}
         if timeout_s is not None:
             kw["timeout"] = datetime.timedelta(seconds=timeout_s)
+        store = _restart_store(env, kw.get("timeout", datetime.timedelta(minutes=30)))
+        if store is not None:
+            kw.update(store=store, rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]))
         dist.init_process_group(pg, **kw)
         return TorchComm()
     raise ValueError(f"osp: unknown backend {backend!r}: expected 'horovod' or 'torch'")
+
+
+def _restart_store(env, timeout):
+    """The store for a worker that torchrun may restart (``--max-restarts``), or None for the default.
+
+    Why: torchrun (torch >= 2.4) keeps one TCPStore for every rendezvous round, and the process group's
+    keys are the same in every round. A restarted worker can read the address that a worker of the
+    previous round (now dead) left there, and Gloo then retries connecting to it until it gives up, or
+    hangs: seen here in 3 of 6 restarts. So each restart gets keys of its own: a prefix with
+    TORCHELASTIC_RESTART_COUNT, which all workers of one torchrun agent share. Workers of several agents
+    (several nodes) may count restarts differently: there the fix is torchrun's own option, the
+    environment variable TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (a new store every round)."""
+    if (env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or env.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1"
+            or int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) == 0):
+        return None
+    if int(env.get("GROUP_WORLD_SIZE", "1")) > 1:
+        raise RuntimeError(
+            "osp: torchrun --max-restarts on several nodes shares one rendezvous store between rounds, where a "
+            "restarted worker can find the address of a dead one and hang in init_process_group; set "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment (on every node)")
+    import torch.distributed as dist
+
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["WORLD_SIZE"]), is_master=False,
+                          timeout=timeout)
+    return dist.PrefixStore(f"osp/restart{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)

@@ -338,14 +338,18 @@ class Job:
 
 class Faults:
     """``--fault RANK:STEP`` (repeatable): that rank kills itself (SIGKILL) right after step STEP's update,
-    with OSP's stage 2 still in flight; only in a process that trained from step 0, so a restarted or
-    re-joined one does not fail again."""
+    with OSP's stage 2 still in flight. Once per job: only in a process that trained from step 0 (not
+    one restarted from a checkpoint or joined later), and only the first time it completes STEP (a
+    survivor that redoes the step after the fault, now under that rank number, does not fail too)."""
 
     def __init__(self, specs, job: Job):
         self.specs, self.job = list(specs), job
+        self.passed = 0  # the furthest step this process completed
 
     def __call__(self, pos: dict) -> None:
-        if not self.job.started_at_zero:
+        first = pos["step"] > self.passed
+        self.passed = max(self.passed, pos["step"])
+        if not (first and self.job.started_at_zero):
             return
         for rank, step in self.specs:
             if pos["step"] == step and self.job.comm.rank == rank:

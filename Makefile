@@ -8,7 +8,7 @@ CUDA_SRCS := $(wildcard csrc/cuda/*.cu)
 CUDA_CPP_SRCS := $(wildcard csrc/cuda/*.cpp)
 PYTEST_ARGS ?=
 
-.PHONY: install test test-only lint cuda-check bench-kernels bench-accuracy bench-stragglers demo bench stress-exit clean
+.PHONY: install test test-only lint cuda-check bench-kernels bench-accuracy bench-stragglers bench-faults demo bench stress-exit clean
 
 install:
 	@bash scripts/install.sh
@@ -62,6 +62,11 @@ bench-accuracy: install
 # small-micro-batch table of README, about 20).
 bench-stragglers: install
 	$(PY) bench/stragglers.py $(BENCH_ARGS)
+
+# Faults survived: SIGKILLed ranks under Horovod Elastic (3 ranks, 2 kills) and under torchrun restarts
+# (1 kill), each against the same job without faults, 3 seeds (about 3 minutes).
+bench-faults: install
+	$(PY) bench/faults.py
 
 # Throughput under an emulated network bottleneck (needs root: network namespaces and tc).
 # BENCH_ARGS=--quick for a few minutes on 2 cores.

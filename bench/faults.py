@@ -98,7 +98,11 @@ def main():
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--epochs", type=int, default=10)
     ap.add_argument("--json", default=os.path.join(HERE, "results", "faults.json"))
+    ap.add_argument("--report", default=None, metavar="JSON", help="print the tables of a saved run")
     a = ap.parse_args()
+    if a.report:
+        report(json.load(open(a.report))["runs"])
+        return
     seeds = [int(s) for s in a.seeds.split(",")]
     runs = []
     for seed in seeds:
@@ -128,10 +132,11 @@ def report(runs):
         kills = [x for x in e["resets"] if x["steps_redone"] > 0]
         redone = ", ".join(str(x["steps_redone"]) for x in kills)
         recover = ", ".join(f"{x['recover_s']:.2f}" for x in kills)
-        equal = "bitwise equal" if len(set(e["replica_digests"])) == 1 else "DIFFER"
+        n = len(e["replica_digests"])
+        equal = "one rank left" if n == 1 else \
+            f"bitwise equal ({n} ranks)" if len(set(e["replica_digests"])) == 1 else f"DIFFER ({n} ranks)"
         print(f"| Horovod Elastic | {r['seed']} | {len(kills)} of 2 | {redone} | {recover} "
-              f"| {100 * e['final_test_acc']:.2f}% | {100 * c['final_test_acc']:.2f}% | {equal} "
-              f"({len(e['replica_digests'])} ranks) |")
+              f"| {100 * e['final_test_acc']:.2f}% | {100 * c['final_test_acc']:.2f}% | {equal} |")
     for r in runs:
         t, c = r["torchrun_fault"], r["torchrun_clean"]
         same = set(t["replica_digests"]) == set(c["replica_digests"])

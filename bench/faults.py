@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -49,6 +50,27 @@ def host_names(n):
     return out[:n]
 
 
+def timed(kind, cmd, faults, out):
+    """Run a job (a launcher command) with ``--fault`` for each of ``faults``; its JSON, wall time and
+    output. Past the time limit the launcher's whole session (every rank) is killed."""
+    for f in faults:
+        cmd = cmd + ["--fault", f]
+    t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV,
+                         start_new_session=True)
+    try:
+        text = p.communicate(timeout=600)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        raise SystemExit(f"faults: {kind} job timed out\n{p.communicate()[0][-4000:]}") from None
+    if p.returncode != 0:
+        raise SystemExit(f"faults: {kind} job failed\n{text[-6000:]}")
+    res = json.load(open(out))
+    res["wall_s"] = time.perf_counter() - t0
+    res["resumed"] = [line for line in text.splitlines() if line.startswith("resumed from step")]
+    return res
+
+
 def elastic(seed, faults, tmp, a):
     hosts = os.path.join(tmp, "hosts")
     with open(hosts, "w") as f:
@@ -59,38 +81,20 @@ def elastic(seed, faults, tmp, a):
     os.chmod(script, 0o755)
     out = os.path.join(tmp, "e.json")
     hvd = os.path.join(os.path.dirname(sys.executable), "horovodrun")
-    cmd = [hvd, "--gloo", "-np", "3", "--min-np", "1", "--max-np", "3", "--host-discovery-script", script,
-           "--blacklist-cooldown-range", "1", "2", "--reset-limit", "10", sys.executable, "-m", "osp.train",
-           "--elastic", "--sync", "osp", "--epochs", str(a.epochs), "--commit-every", "10", "--seed", str(seed),
-           "--no-progress", "--json", out]
-    for f in faults:
-        cmd += ["--fault", f]
-    t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ENV)
-    wall = time.perf_counter() - t0
-    if p.returncode != 0:
-        raise SystemExit(f"faults: elastic job failed\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}")
-    res = json.load(open(out))
-    res["wall_s"] = wall
-    return res
+    return timed("elastic", [
+        hvd, "--gloo", "-np", "3", "--min-np", "1", "--max-np", "3", "--host-discovery-script", script,
+        "--blacklist-cooldown-range", "1", "2", "--reset-limit", "10", sys.executable, "-m", "osp.train",
+        "--elastic", "--sync", "osp", "--epochs", str(a.epochs), "--commit-every", "10", "--seed", str(seed),
+        "--no-progress", "--json", out], faults, out)
 
 
 def torchrun(seed, faults, tmp, a):
     out = os.path.join(tmp, "t.json")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "--max-restarts", "2", "-m", "osp.train", "--sync", "osp", "--epochs", str(a.epochs), "--seed", str(seed),
-           "--checkpoint-dir", os.path.join(tmp, "ck"), "--checkpoint-every", "8", "--no-progress", "--json", out]
-    for f in faults:
-        cmd += ["--fault", f]
-    t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ENV)
-    wall = time.perf_counter() - t0
-    if p.returncode != 0:
-        raise SystemExit(f"faults: torchrun job failed\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}")
-    res = json.load(open(out))
-    res["wall_s"] = wall
-    res["resumed"] = [line for line in (p.stdout + p.stderr).splitlines() if line.startswith("resumed from step")]
-    return res
+    return timed("torchrun", [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "--max-restarts", "2", "-m", "osp.train", "--sync", "osp", "--epochs", str(a.epochs), "--seed", str(seed),
+        "--checkpoint-dir", os.path.join(tmp, "ck"), "--checkpoint-every", "8", "--no-progress", "--json", out],
+        faults, out)
 
 
 def main():

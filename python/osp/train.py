@@ -294,6 +294,7 @@ class Job:
         """Train from ``pos`` to the last epoch (or ``--stop-at-acc``), updating ``pos`` as it goes;
         ``after_step(pos)`` / ``after_epoch(pos)`` are called after each (commits, checkpoints)."""
         args, opt = self.args, self.opt
+        self.progress.enabled = self.comm.rank == 0 and not args.no_progress  # (under --elastic rank 0 may change)
         if self.hsp:
             self.start_streams(pos)
         while pos["epoch"] < args.epochs and not pos["stopped"]:

@@ -21,13 +21,14 @@ def _result(path):
 
 
 @pytest.mark.multiproc
-def test_elastic_rank_killed_mid_step_survivors_go_on_from_the_last_commit(tmp_path):
+@pytest.mark.parametrize("sync", ["osp", "bsp", "dsync"])
+def test_elastic_rank_killed_mid_step_survivors_go_on_from_the_last_commit(tmp_path, sync):
     """Two hosts (two names of this machine: Horovod blacklists the host of a failed rank, and on one
-    host that would be every rank's). Rank 1 SIGKILLs itself right after step 25's update, with OSP's
-    stage 2 in flight; the survivor restores the commit of step 20 and finishes alone, with the
-    accuracy of a run without the fault."""
+    host that would be every rank's). Rank 1 SIGKILLs itself right after step 25's update (under OSP
+    with stage 2 in flight, under DSync with the delayed average); the survivor restores the commit of
+    step 20 and finishes alone, with the accuracy of a run without the fault."""
     hosts = launch.local_host_aliases(2)
-    args = ["--sync", "osp", "--epochs", "10", "--commit-every", "10"]
+    args = ["--sync", sync, "--epochs", "10", "--commit-every", "10"]
     runs, outputs = {}, {}
     for name, fault in (("fault", ["--fault", "1:25"]), ("clean", [])):
         out = tmp_path / f"{name}.json"

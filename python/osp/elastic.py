@@ -33,24 +33,20 @@ one left out would keep collectives of the engine that is gone. Other keyword ar
 from __future__ import annotations
 
 import copy
+import socket
 
 import torch
 
 from .optimizer import DistributedOptimizer
 
-__all__ = ["State", "run"]
+__all__ = ["State", "run", "local_host_names"]
 
 
-def _hvd():
-    try:
-        import horovod.torch as hvd
-        from horovod.torch.elastic.state import ModelStateHandler, StateHandler, TorchState, _get_handlers
-    except ImportError as e:  # pragma: no cover - Horovod is installed with osp's test setup
-        raise ImportError(f"osp.elastic needs Horovod with PyTorch support ({e})") from None
-    return hvd, ModelStateHandler, StateHandler, TorchState, _get_handlers
-
-
-hvd, ModelStateHandler, StateHandler, TorchState, _get_handlers = _hvd()
+try:
+    import horovod.torch as hvd
+    from horovod.torch.elastic.state import ModelStateHandler, StateHandler, TorchState, _get_handlers
+except ImportError as e:  # pragma: no cover - Horovod is installed with osp's test setup
+    raise ImportError(f"osp.elastic needs Horovod with PyTorch support ({e})") from None
 
 
 def run(func):
@@ -65,12 +61,10 @@ class _OptimizerHandler(StateHandler):
 
     def __init__(self, optimizer: DistributedOptimizer):
         super().__init__(optimizer)
-        self.save()
+        self._saved = None  # State saves every handler once built, after its flush
 
     def save(self):
-        if self.value.in_flight:  # (a flush would also call on_synced: no collective outside the run function)
-            self.value.flush()
-        self._saved = copy.deepcopy(self.value.state_dict())
+        self._saved = copy.deepcopy(self.value.state_dict())  # (State.save flushed first)
 
     def restore(self):
         self.value.reset_world()  # what was in flight belongs to the failed engine
@@ -147,3 +141,23 @@ class State(TorchState):
         for opt in self._optimizers:
             opt.reset_world()
         super().reset()
+
+
+def local_host_names(n: int) -> list:
+    """``n`` distinct names of this machine that Horovod runs locally (each resolves to one of its own
+    addresses): for an elastic job on one machine, one per slot in the discovery script. Horovod then
+    treats each as a host of its own, so blacklisting the host of a failed rank leaves the others."""
+    import psutil
+
+    local = {a.address for addrs in psutil.net_if_addrs().values() for a in addrs if a.family == socket.AF_INET}
+    out = []
+    for name in ["localhost", "127.0.0.1", socket.gethostname(), *sorted(local - {"127.0.0.1"})]:
+        try:
+            ok = socket.gethostbyname(name) in local
+        except OSError:
+            ok = False
+        if ok and name not in out:
+            out.append(name)
+    if len(out) < n:
+        raise RuntimeError(f"osp: need {n} local host names for Horovod Elastic, found {out}")
+    return out[:n]

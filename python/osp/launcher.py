@@ -49,7 +49,7 @@ def init_from_env(backend: str, timeout_s: Optional[float] = None, device="cpu")
         kw = {}
         if timeout_s is not None:
             kw["timeout"] = datetime.timedelta(seconds=timeout_s)
-        store = _restart_store(env, kw.get("timeout", datetime.timedelta(minutes=30)))
+        store = _restart_store(env, kw.get("timeout", dist.constants.default_pg_timeout))
         if store is not None:
             kw.update(store=store, rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]))
         dist.init_process_group(pg, **kw)

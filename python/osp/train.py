@@ -159,13 +159,17 @@ def micro_batch_seconds(model, x, y, reps: int = 7) -> float:
     return sorted(times[2:])[reps // 2]
 
 
+def epoch_shuffle(n: int, seed: int, epoch: int) -> torch.Tensor:
+    """The order of the ``n`` training samples in ``epoch``: the same on every rank."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1000 + epoch))
+
+
 def micro_batches(rank: int, size: int, n: int, batch: int, steps: int, seed: int):
     """This rank's micro-batches (sample indices), endlessly: its shard of epoch 0's shuffle, then of
     epoch 1's, ... (with one micro-batch per rank and step, epoch e uses exactly epoch e's shard)."""
     e = 0
     while True:
-        g = torch.Generator().manual_seed(seed * 1000 + e)
-        shard = torch.randperm(n, generator=g)[: steps * batch * size][rank::size]
+        shard = epoch_shuffle(n, seed, e)[: steps * batch * size][rank::size]
         for i in range(steps):
             yield shard[i * batch:(i + 1) * batch]
         e += 1
@@ -213,10 +217,10 @@ class Job:
     """The example job's model, optimizer and data, and its training loop, shared by every way of running
     it: plainly, resumed from checkpoints (torchrun restarts) or under Horovod Elastic.
 
-    Which samples a step computes: epoch e shuffles the training set with seed ``seed * 1000 + e``; a
-    step takes the next ``ranks * batch`` of them and rank r every ranks-th (so a world that changes size
-    mid-epoch goes on where it stood). Under HSP each rank instead reads an endless stream of its own
-    shards (``micro_batches``), extras included; ``done`` counts micro-batches of all ranks."""
+    Which samples a step computes: the next ``ranks * batch`` of the epoch's shuffle (``epoch_shuffle``),
+    rank r every ranks-th (so a world that changes size mid-epoch goes on where it stood). Under HSP
+    each rank instead reads an endless stream of its own shards (``micro_batches``), extras included;
+    ``done`` counts micro-batches of all ranks."""
 
     def __init__(self, args, comm, model, opt, data, slow_s: float, progress):
         self.args, self.comm, self.model, self.opt, self.progress = args, comm, model, opt, progress
@@ -233,8 +237,7 @@ class Job:
 
     def _epoch_perm(self, epoch: int) -> torch.Tensor:
         if self._perm[0] != epoch:
-            g = torch.Generator().manual_seed(self.args.seed * 1000 + epoch)
-            self._perm = (epoch, torch.randperm(self.n, generator=g))
+            self._perm = (epoch, epoch_shuffle(self.n, self.args.seed, epoch))
         return self._perm[1]
 
     def steps_per_epoch(self, size: int) -> int:
@@ -556,10 +559,10 @@ def main(argv=None):
     nparams = sum(p.numel() for p in model.parameters())
 
     progress = Progress(rank == 0 and not args.no_progress)
+    job = Job(args, comm, model, opt, data, slow_s, progress)
     if rank == 0:
         progress.epoch(f"osp.train: sync={args.sync} critical={args.critical} ranks={size} backend={backend} "
-                       f"params={nparams} steps/epoch={len(data[1]) // (args.batch_size * size)} seed={args.seed}")
-    job = Job(args, comm, model, opt, data, slow_s, progress)
+                       f"params={nparams} steps/epoch={job.steps_per_epoch(size)} seed={args.seed}")
     faults = Faults(faults, job)
     pos = new_position(size)
     if args.elastic:

@@ -276,7 +276,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             n = 0
         if p.grad is not alias and p.grad.layout == torch.strided:  # sparse ones raise in step()
             fg.gather_grads([p])
-            fg.absent.discard(i)
+        fg.absent.discard(i)  # it has a gradient now (a bucket started before may have found none)
         n += 1
         # an extra micro-batch (HSP's step(closure)) adds to the step beyond backward_passes_per_step
         if n > self.backward_passes_per_step and not self._in_extra:
@@ -472,6 +472,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             inp.backward_scale = float(scaler._scale)
             if self.grad_scale is not None:  # not unscaled yet
                 inp.unscale = float(1.0 / self.grad_scale.double())
+            else:  # the user's scaler.unscale_(opt) changed them in place since backward
+                inp.grads_changed = True
         if not self.mode.grad_is_average and not self._warned_grad_change:
             changed = self._grads_changed(allowed=1 if scaler_state is not None else 0)
             if changed:

@@ -1,8 +1,11 @@
 """The side channel: a few fp32 numbers every OSP step sums across ranks next to stage 1.
 
 Fields: how many flat gradients hold an inf or nan on some rank (the step is then skipped on every
-rank), the ``auto`` budget's measurements (bandwidth in MB/s, the window stage 2 had and the wait
-for it, in ms), and two checksums of the critical-block mask each rank chose. The buffer is its own
+rank), the ``auto`` budget's measurements (bandwidth in MB/s; compute between steps, the stage-2 wait,
+the backward window stage 1 overlaps and the previous iteration, in ms), two checksums of the
+critical-block mask each rank chose, the squared norm of the deferred gradient (clipping), whether
+parameters were edited while a correction was pending, and whether gradients were changed after
+backward packed them (``stale``). The buffer is its own
 fp32 tensor on the parameters' device, whatever their dtype: measurements summed across ranks in
 fp16 would overflow. Encoding launches only small fills and copies on the device (no host sync);
 decoding reads the summed buffer once (the step's one sync) and raises if the ranks chose
@@ -16,8 +19,8 @@ from typing import List, Sequence
 
 import torch
 
-FIELDS = ("nonfinite", "bandwidth_mbps", "window_ms", "wait_ms", "mask_sum1", "mask_sum2", "deferred_sq",
-          "edited")
+FIELDS = ("nonfinite", "bandwidth_mbps", "compute_ms", "wait_ms", "mask_sum1", "mask_sum2", "deferred_sq",
+          "edited", "stale", "backward_ms", "iteration_ms")
 # then one field per parameter: 1 where this rank has a gradient for it (summed: present on some rank)
 # Checksums are weighted sums of the mask modulo small primes: integers below 2^11, so their sum over
 # up to 2^13 ranks is exact in fp32. A sum, not an average: exact, and Horovod never fuses it with the
@@ -30,10 +33,13 @@ class Side:
     """The decoded side channel, measurements averaged over ranks (identical on every rank)."""
     nonfinite: bool
     bandwidth: float  # bytes/s
-    window: float  # s
+    compute: float  # s
     wait: float  # s
     deferred_sq: float  # squared 2-norm of the deferred gradient, averaged over ranks (clipping)
     edited: bool  # some rank's parameters were changed between steps where a correction was pending
+    stale: bool  # some rank's gradients were changed after backward packed them
+    backward: float  # s: from the first gradient ready to the end of backward
+    iteration: float  # s: the previous step's whole iteration (compute and step)
     presence: List[float]  # per parameter: how many ranks have a gradient for it
 
 
@@ -50,24 +56,22 @@ class MaskChecksum:
         return [torch.remainder((m * w).sum(), p) for w, p in zip(self.weights, _PRIMES)]
 
 
-def encode(out: torch.Tensor, nonfinite: torch.Tensor, bandwidth: float, window: float, wait: float,
-           checksums: Sequence[torch.Tensor], deferred_sq, edited) -> torch.Tensor:
+def encode(out: torch.Tensor, nonfinite: torch.Tensor, checksums: Sequence[torch.Tensor], *, bandwidth=0.0,
+           compute=0.0, wait=0.0, deferred_sq=0.0, edited=0.0, stale=0.0, backward=0.0,
+           iteration=0.0) -> torch.Tensor:
     """Fill ``out`` (fp32, ``len(FIELDS)`` + one per parameter, on the parameters' device) for this
-    rank; the presence fields are the caller's."""
-    out[0].copy_(nonfinite.reshape(()))
-    out[1].fill_(bandwidth / 1e6)
-    out[2].fill_(window * 1e3)
-    out[3].fill_(wait * 1e3)
-    out[4].copy_(checksums[0])
-    out[5].copy_(checksums[1])
-    if torch.is_tensor(deferred_sq):
-        out[6].copy_(deferred_sq.reshape(()))
-    else:
-        out[6].fill_(float(deferred_sq))
-    if torch.is_tensor(edited):
-        out[7].copy_(edited.reshape(()))
-    else:
-        out[7].fill_(float(edited))
+    rank (times in seconds, bandwidth in bytes/s; a value may be a device tensor); the presence fields
+    are the caller's."""
+    values = {"nonfinite": nonfinite, "bandwidth_mbps": bandwidth / 1e6, "compute_ms": compute * 1e3,
+              "wait_ms": wait * 1e3, "mask_sum1": checksums[0], "mask_sum2": checksums[1],
+              "deferred_sq": deferred_sq, "edited": edited, "stale": stale, "backward_ms": backward * 1e3,
+              "iteration_ms": iteration * 1e3}
+    for i, name in enumerate(FIELDS):
+        v = values[name]
+        if torch.is_tensor(v):
+            out[i].copy_(v.reshape(()))
+        else:
+            out[i].fill_(float(v))
     return out
 
 
@@ -91,5 +95,9 @@ def decode(total: torch.Tensor, own: torch.Tensor, size: int, step: int) -> Side
                 "The block scores must be bitwise equal on every rank: check that all ranks run the same "
                 "osp, torch and hardware kind")
     n = len(FIELDS)
-    return Side(nonfinite=t[0] > 0, bandwidth=t[1] / size * 1e6, window=t[2] / size * 1e-3,
-                wait=t[3] / size * 1e-3, deferred_sq=t[6] / size, edited=t[7] > 0, presence=t[n:])
+    f = dict(zip(FIELDS, t))
+    return Side(nonfinite=f["nonfinite"] > 0, bandwidth=f["bandwidth_mbps"] / size * 1e6,
+                compute=f["compute_ms"] / size * 1e-3, wait=f["wait_ms"] / size * 1e-3,
+                deferred_sq=f["deferred_sq"] / size, edited=f["edited"] > 0, stale=f["stale"] > 0,
+                backward=f["backward_ms"] / size * 1e-3, iteration=f["iteration_ms"] / size * 1e-3,
+                presence=t[n:])

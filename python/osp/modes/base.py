@@ -37,6 +37,9 @@ class StepInput:
     backward_scale: Optional[float] = None  # GradScaler: the loss scale the backward ran under
     max_norm: Optional[float] = None  # clip by the 2-norm of the averaged gradient (clip_grad_norm_)
     passes: int = 1  # backward passes of the step before step() (backward_passes_per_step)
+    #: the gradients were changed in place after backward in a way their version counters do not show
+    #: (a GradScaler's ``unscale_``, whose kernel leaves them alone)
+    grads_changed: bool = False
     #: ``step(closure)`` (modes with ``accepts_closure``): run one more micro-batch, accumulating into
     #: ``.grad``; returns its backward passes (>= 1) or raises
     extra: Optional[Callable[[], int]] = None

@@ -8,11 +8,13 @@ from typing import Dict, List, Optional
 import torch
 
 from .. import ops, sidechannel
+from ..buckets import Buckets
 from ..comm import Handle
 from ..correction import Snapshot, corrector_for, hyper, unhooked_step
 from ..layout import EditProbe, FlatGroup, Workspace
 from ..policy import Budget, select_critical
 from .base import Context, Mode, Options, StepInput, check_share, edited_error
+from .bsp import BSP, BSPMode
 
 _MAX_BLOCK = 1 << 30
 
@@ -24,20 +26,26 @@ class OSP(Options):
     exactly when the average arrives (LGP).
 
     Args:
-        critical: share of blocks averaged in stage 1, in [0, 1], or ``"auto"``: defer as much as the
-            measured bandwidth can move in the measured time stage 2 has before the next step waits
-            for it (the next forward/backward and the rest of this step). ``1.0`` is BSP.
+        critical: share of blocks averaged in stage 1, in [0, 1], or ``"auto"``: measure the network
+            and the backward window, try the share whose stage 1 fits in backward, and keep it only if
+            its steps are measurably faster than fully critical ones (otherwise every block stays
+            critical: BSP with stage 1 during backward); settles by step ``warmup + 8`` and holds.
+            ``1.0`` is BSP.
         min_critical: floor on the critical share (the most important blocks always go first);
             default 0.05 with ``"auto"``, none with a fixed share.
         metric: block importance, ``"l2"``, ``"l1"``, ``"max"`` or ``"relative"`` (|g| / |w|).
         block_size: elements per block.
-        warmup: with ``"auto"``, steps run fully critical first to measure the network.
+        warmup: with ``"auto"``, steps run fully critical first, stage 1 at ``step()``, to measure
+            the network.
+        bucket_mb: stage 1 starts during backward in buckets of about this many MiB of gradient (as
+            BSP's and DDP's do): each bucket's critical blocks are averaged as soon as its gradients
+            are ready.
     """
 
     name = "osp"
 
     def __init__(self, critical=0.25, min_critical: Optional[float] = None, metric: str = "l2",
-                 block_size: int = 4096, warmup: int = 2):
+                 block_size: int = 4096, warmup: int = 2, bucket_mb: float = 25.0):
         if critical != "auto":
             if isinstance(critical, bool) or not isinstance(critical, (int, float)) or not (
                     0.0 <= float(critical) <= 1.0):
@@ -56,25 +64,29 @@ class OSP(Options):
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
             raise ValueError(f"osp: OSP(warmup) must be a non-negative integer, got {warmup!r}")
         self.warmup = warmup
+        if isinstance(bucket_mb, bool) or not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
+            raise ValueError(f"osp: OSP(bucket_mb) must be a positive number, got {bucket_mb!r}")
+        self.bucket_mb = float(bucket_mb)
 
     def __repr__(self):
         return (f"OSP(critical={self.critical!r}, min_critical={self.min_critical:g}, "
-                f"metric={self.metric!r}, block_size={self.block_size}, warmup={self.warmup})")
+                f"metric={self.metric!r}, block_size={self.block_size}, warmup={self.warmup}, "
+                f"bucket_mb={self.bucket_mb:g})")
 
     def build(self, ctx: Context) -> "OSPMode":
         return OSPMode(self, ctx)
 
 
 @dataclass
-class _Split:
-    """One flat group's share of a step: its critical blocks (stage 1) and deferred ones (stage 2)."""
-    fg: FlatGroup
-    lo: int  # its first block in the score vector
-    mask: torch.Tensor  # its critical blocks
-    ncrit: int
-    crit: torch.Tensor  # packed critical gradient, averaged by stage 1
-    deferred: torch.Tensor  # packed deferred gradient (this rank's), averaged by stage 2
-    handle: Optional[Handle] = None  # stage 1 in flight
+class _Plan:
+    """The split of one step, known before its backward (from the scores of earlier averaged
+    gradients): the critical blocks, how many each bucket has, and where each bucket's blocks go in its
+    flat group's packed buffers (which keep block order, as ``split_blocks`` of the whole group would)."""
+    mask: torch.Tensor
+    counts: List[int]  # per bucket: critical blocks
+    crit_at: List[int]  # per bucket: its first critical block's index in the group's packed stage 1
+    deferred_at: List[int]  # per bucket: likewise in the packed stage 2
+    ncrit: List[int]  # per flat group: critical blocks
 
 
 @dataclass
@@ -98,6 +110,12 @@ class _Clip:
 
 
 class OSPMode(Mode):
+    """Stage 1 starts from the backward hooks: when a bucket's gradients are ready its blocks are packed,
+    the critical ones into the stage-1 buffer, whose part is averaged at once, the deferred ones into
+    the stage-2 buffer, which ``step()`` averages in one piece as soon as the side channel says the step
+    goes ahead. Two stage-2 buffers alternate: the next backward packs into one while the other is
+    averaged."""
+
     options: OSP
 
     def __init__(self, options: OSP, ctx: Context):
@@ -109,46 +127,110 @@ class OSPMode(Mode):
         self.nblocks = ctx.nblocks
         self._side = torch.zeros(len(sidechannel.FIELDS) + ctx.nparams, dtype=torch.float32, device=dev)
         self._side_own = torch.zeros_like(self._side)
-        self._mask = torch.ones(self.nblocks, dtype=torch.bool, device=dev)
         self._checksum = sidechannel.MaskChecksum(self.nblocks, dev)
         self._ws: Dict[int, Workspace] = {id(fg): Workspace(fg) for fg in ctx.groups}
         self._none = [torch.zeros(fg.nblocks, dtype=torch.bool, device=dev) for fg in ctx.groups]
         self._probe = EditProbe(ctx.groups)
-        self.scores: Optional[torch.Tensor] = None  # block scores of the last averaged gradient
+        self.scores: Optional[torch.Tensor] = None  # block scores of the last averaged gradients
         self._pending: List[_Deferred] = []
         self._clip: Optional[_Clip] = None
         self._steps = 0
+        # the buckets, as block ranges of their flat group (the blocks that start in the bucket's
+        # elements: a block reaching into the next bucket up is ready, as that bucket started earlier)
+        self.buckets = Buckets(ctx.groups, options.bucket_mb, ctx.comm, f"{ctx.prefix}.s1", start=self._start)
+        gindex = {id(fg): gi for gi, fg in enumerate(ctx.groups)}
+        self._geo = [(gindex[id(fg)], -(-lo // fg.block_size), -(-hi // fg.block_size))
+                     for fg, lo, hi, _ in self.buckets.buckets]
+        self._group_lo, lo = [], 0  # each flat group's first block in the score vector
+        for fg in ctx.groups:
+            self._group_lo.append(lo)
+            lo += fg.nblocks
+        self._plan: Optional[_Plan] = None
+        self._cur = 0  # the stage-2 buffer this step's backward packs into
+        self._packed: Dict[int, int] = {}  # bucket -> its gradients' versions when packed (their sum)
+        self._t_ready: Optional[float] = None  # when this step's first gradient was ready
+        self._backward_s = 0.0
+        self._t_ends: List[float] = []  # when the last two steps returned
+        self._last_wait = 0.0
+        self._held = False  # a sparse gradient came: nothing starts in backward until step() raises
+        self._bw_sample = 0.0  # this rank's bandwidth sample of the last step, for the next side channel
+        # per bucket, its parameters' gradient aliases: to tell whether one changed after packing
+        self._views = [[fg.grad_views[fg.index[id(p)]] for p in ps] for fg, _, _, ps in self.buckets.buckets]
+        # every block critical for good (critical=1.0, or "auto" settled there): BSP's own machinery
+        self._bsp: Optional[BSPMode] = None
+        self._follow_budget()
 
     @property
     def in_flight(self):
-        return bool(self._pending)
+        return bool(self._pending) or (self._bsp is not None and self._bsp.in_flight)
+
+    @property
+    def grad_is_average(self):
+        return self._bsp is not None
+
+    def _follow_budget(self) -> None:
+        """Hand the steps to BSP once no block can be deferred any more (nothing is scored, split,
+        packed or corrected then): in-backward BSP, as DDP does it, with ``.grad`` the average after
+        backward. A stage 2 still in flight is finished first, by the next ``step()``."""
+        if self.budget.needs_scores:
+            self._bsp = None
+        elif self._bsp is None:
+            self._bsp = BSPMode(BSP(self.options.bucket_mb), self.ctx)
+
+    def synchronize(self) -> None:
+        if self._bsp is None:
+            return super().synchronize()
+        self._bsp.synchronize()
 
     def _new_budget(self) -> Budget:
         return Budget(self.options.critical, self.options.min_critical, warmup=self.options.warmup)
 
     # -- the split ------------------------------------------------------------------------------
-    def _select(self) -> List[int]:
-        """Fill ``self._mask`` with this step's critical blocks and return how many each flat group
-        has. The split comes from the block scores of the previous step's averaged gradient, which
-        every rank holds bitwise alike (no collective; the first step is fully critical). Each flat
-        group gets its own quota, so the counts are known on the host without a device sync. With
-        ``critical=0.0`` every step, the first too, defers everything (``DSync(delay=1)``)."""
-        counts = [self.budget.count(fg.nblocks) for fg in self.ctx.groups]
-        if self.scores is None:  # nothing to rank by yet: all critical, unless none is to be
-            defer_all = not any(counts)
-            self._mask.fill_(not defer_all)
-            return counts if defer_all else [fg.nblocks for fg in self.ctx.groups]
-        lo = 0
-        for fg, k in zip(self.ctx.groups, counts):
-            self._mask[lo:lo + fg.nblocks] = select_critical(self.scores[lo:lo + fg.nblocks], k)
-            lo += fg.nblocks
-        return counts
+    def _make_plan(self) -> _Plan:
+        """The coming step's critical blocks: per bucket the ``budget.count`` best by the scores of the
+        last averaged gradients, which every rank holds bitwise alike (no collective; until there are
+        scores, every block is critical, unless none is to be). Each bucket gets its own quota, so
+        every count is known on the host without a device sync. With ``critical=0.0`` every step, the
+        first too, defers everything (``DSync(delay=1)``)."""
+        dev = self._none[0].device
+        counts = [self.budget.count(b1 - b0) for _, b0, b1 in self._geo]
+        mask = torch.ones(self.nblocks, dtype=torch.bool, device=dev)
+        if self.scores is None:
+            if not any(counts):
+                mask.fill_(False)
+            else:
+                counts = [b1 - b0 for _, b0, b1 in self._geo]
+        else:
+            for (gi, b0, b1), k in zip(self._geo, counts):
+                if k < b1 - b0:
+                    lo = self._group_lo[gi]
+                    mask[lo + b0:lo + b1] = select_critical(self.scores[lo + b0:lo + b1], k)
+        crit_at, deferred_at = [0] * len(self._geo), [0] * len(self._geo)
+        ncrit = [0] * len(self.ctx.groups)
+        ndef = [0] * len(self.ctx.groups)
+        for b in sorted(range(len(self._geo)), key=lambda b: self._geo[b][1:]):  # block order
+            gi, b0, b1 = self._geo[b]
+            crit_at[b], deferred_at[b] = ncrit[gi], ndef[gi]
+            ncrit[gi] += counts[b]
+            ndef[gi] += b1 - b0 - counts[b]
+        return _Plan(mask=mask, counts=counts, crit_at=crit_at, deferred_at=deferred_at, ncrit=ncrit)
+
+    def _plan_now(self) -> _Plan:
+        if self._plan is None:
+            self._plan = self._make_plan()
+        return self._plan
+
+    def _group_mask(self, gi: int) -> torch.Tensor:
+        lo = self._group_lo[gi]
+        return self._plan.mask[lo:lo + self.ctx.groups[gi].nblocks]
 
     def _set_scores(self, buf: torch.Tensor, fg: FlatGroup, mask: torch.Tensor, lo: int) -> None:
         """Score the blocks packed in ``buf`` (those where ``mask`` is set) and store them in their
         places of the score vector (a merge with one-element blocks: no device sync). With
         ``relative``, |w| is read from the parameters as they are now, which must be bitwise equal on
         every rank: call only where the replicas are."""
+        if self.scores is None:
+            self.scores = torch.zeros(self.nblocks, dtype=torch.float32, device=mask.device)
         w = None
         if self.options.metric == "relative":
             w = torch.empty_like(buf)
@@ -156,85 +238,174 @@ class OSPMode(Mode):
         scores = ops.score_blocks(buf, fg.block_size, self.options.metric, param=w)[0]
         ops.merge_blocks(scores, None, mask, 1, self.scores[lo:lo + fg.nblocks])
 
+    # -- stage 1 from the backward hooks ----------------------------------------------------------
+    def _crit(self, gi: int) -> torch.Tensor:
+        fg = self.ctx.groups[gi]
+        return self._ws[id(fg)]("crit", self._plan.ncrit[gi] * fg.block_size)
+
+    def _deferred(self, gi: int, which: Optional[int] = None) -> torch.Tensor:
+        fg = self.ctx.groups[gi]
+        n = (fg.nblocks - self._plan.ncrit[gi]) * fg.block_size
+        return self._ws[id(fg)](f"deferred{self._cur if which is None else which}", n)
+
+    def _start(self, b: int) -> Optional[Handle]:
+        """Bucket ``b``'s gradients are gathered: pack its blocks and start averaging the critical ones."""
+        plan, (gi, b0, b1) = self._plan_now(), self._geo[b]
+        fg = self.ctx.groups[gi]
+        bs, k, lo = fg.block_size, plan.counts[b], self._group_lo[gi]
+        crit = self._crit(gi)[plan.crit_at[b] * bs:(plan.crit_at[b] + k) * bs]
+        deferred = self._deferred(gi)[plan.deferred_at[b] * bs:(plan.deferred_at[b] + b1 - b0 - k) * bs]
+        ops.split_blocks(fg.grad[b0 * bs:b1 * bs], plan.mask[lo + b0:lo + b1], bs, crit, deferred)
+        self._packed[b] = self._grad_version(b)
+        return self.ctx.comm.allreduce_avg_async_(crit, f"{self.ctx.prefix}.s1.{b}") if k else None
+
+    def _grad_version(self, b: int) -> int:
+        return sum(v._version for v in self._views[b])
+
+    def _stale(self) -> bool:
+        """Whether a gradient changed after its bucket was packed (replaced, unscaled or clipped in
+        place between backward and step): stage 1 and 2 must then be packed again from ``.grad``."""
+        for b, version in self._packed.items():
+            params = self.buckets.buckets[b][3]
+            if any(p.grad is not v for p, v in zip(params, self._views[b])) or self._grad_version(b) != version:
+                return True
+        return False
+
+    def on_ready(self, p):
+        if self._bsp is not None:
+            return self._bsp.on_ready(p)
+        if self._t_ready is None:
+            self._t_ready = time.perf_counter()
+        if p.grad is not None and p.grad.layout != torch.strided:
+            self._held = True  # step() raises, naming the parameter; nothing more starts in backward
+        if self.budget.in_backward and not self._held:
+            self.buckets.on_ready(p)
+
+    def end_backward(self):
+        if self._bsp is not None:
+            return self._bsp.end_backward()
+        if self._t_ready is not None:
+            self._backward_s = time.perf_counter() - self._t_ready
+        if self.budget.in_backward and not self._held:  # the rest: a missing gradient counts as zeros
+            self.buckets.launch(force=True)
+
+    def restart(self):
+        if self._bsp is not None:
+            return self._bsp.restart()
+        self._drop_stage1()
+        self._t_ready = None
+        self._held = False
+
+    def _drop_stage1(self) -> None:
+        """Wait for this step's stage-1 averages started so far (every rank started them) and forget them."""
+        self.buckets.wait(self.buckets.launched, self.ctx.timeout, "stage-1 allreduce")
+        self.buckets.reset()
+        self._packed = {}
+
     # -- the step -------------------------------------------------------------------------------
     def step(self, inp: StepInput):
+        if self._bsp is not None:
+            return self._bsp_step(inp)
         ctx = self.ctx
-        for fg in ctx.groups:
-            fg.gather_grads()
+        plan = self._plan_now()
+        stale = inp.grads_changed or self._stale()
+        try:
+            for fg in ctx.groups:
+                fg.gather_grads()
+        except ValueError:  # e.g. a sparse gradient: the same on every rank that has one
+            self._drop_stage1()
+            self._held = False
+            raise
         ctx.scale_grads(inp.unscale)
         # parameters changed since the last step where a correction is pending: refused on every rank
         # (after the corrections, so the ranks stay equal), as the correction overwrites such a change
         edited = self._probe.edited(self._deferred_masks())
         wait_s = self._finish_deferred()
         ctx.on_synced()
-        counts = self._select()
-        splits, lo = [], 0
-        for fg, kc in zip(ctx.groups, counts):
-            ws = self._ws[id(fg)]
-            s = _Split(fg=fg, lo=lo, mask=self._mask[lo:lo + fg.nblocks], ncrit=kc,
-                       crit=ws("crit", kc * fg.block_size),
-                       deferred=ws("deferred", (fg.nblocks - kc) * fg.block_size))
-            ops.split_blocks(fg.grad, s.mask, fg.block_size, s.crit, s.deferred)
-            splits.append(s)
-            lo += fg.nblocks
-        deferring = any(s.deferred.numel() for s in splits)
-        clip = inp.max_norm is not None
-        # the time stage 2 had to hide in: from its launch to this step's wait for it (the compute
-        # between steps plus the rest of the previous step); before any stage 2, the compute alone
-        window = self.budget.window if self.budget.window is not None else inp.compute_s
-        sidechannel.encode(self._side, ctx.nonfinite(), self.budget.bw_sample, window, wait_s,
-                           self._checksum(self._mask),
-                           ctx.sq_norm([s.deferred for s in splits]) if clip and deferring else 0.0, edited)
-        ctx.presence(self._side[len(sidechannel.FIELDS):])
-        self._side_own.copy_(self._side)
-        # stage 1: the side channel and the critical blocks, averaged before the update
         t1 = time.perf_counter()
-        side_h = ctx.comm.allreduce_sum_async_(self._side, f"{ctx.prefix}.side")
-        for gi, s in enumerate(splits):
-            s.handle = ctx.comm.allreduce_avg_async_(s.crit, f"{ctx.prefix}.s1.{gi}")
-        b1 = b2 = 0
-        for s in splits:
-            ctx.comm.wait(s.handle, ctx.timeout, "stage-1 allreduce")
-            b1 += s.crit.numel() * s.crit.element_size()
-        ctx.comm.wait(side_h, ctx.timeout, "stage-1 allreduce")
-        stage1 = time.perf_counter() - t1
+        handles = list(self.buckets.launch(force=True))  # at step() while "auto" times the network
+        t_launch = t1 if not self.budget.in_backward else None
+        packed_now = False
+        deferring = any(fg.nblocks > n for fg, n in zip(ctx.groups, plan.ncrit))
+        clip = inp.max_norm is not None
+        iteration = self._t_ends[-1] - self._t_ends[-2] if len(self._t_ends) == 2 else 0.0
+        for attempt in range(2):
+            if not packed_now:  # packed from the gradients as backward left them: unscale here
+                ctx.scale_grads(inp.unscale, [self._deferred(gi) for gi in range(len(ctx.groups))])
+            sidechannel.encode(
+                self._side, ctx.nonfinite(), self._checksum(plan.mask),
+                bandwidth=self._bw_sample, compute=inp.compute_s, wait=wait_s, edited=edited, stale=stale,
+                deferred_sq=ctx.sq_norm([self._deferred(gi) for gi in range(len(ctx.groups))])
+                if clip and deferring else 0.0, backward=self._backward_s, iteration=iteration)
+            ctx.presence(self._side[len(sidechannel.FIELDS):])
+            self._side_own.copy_(self._side)
+            side_h = ctx.comm.allreduce_sum_async_(self._side, f"{ctx.prefix}.side")
+            ctx.comm.wait(side_h, ctx.timeout, "stage-1 allreduce")
+            side = sidechannel.decode(self._side, self._side_own, ctx.comm.size, self._steps + 1)
+            if not side.stale or attempt:
+                break
+            # a gradient changed after backward packed it (on some rank): every rank packs again from .grad
+            self._drop_stage1()
+            t1 = t_launch = time.perf_counter()
+            handles = list(self.buckets.launch(force=True))
+            packed_now, stale = True, False
         self._steps += 1
-        side = sidechannel.decode(self._side, self._side_own, ctx.comm.size, self._steps)
         if side.edited:
+            self.buckets.wait(handles, ctx.timeout, "stage-1 allreduce")
             raise edited_error("OSP")
+        # stage 2: the deferred blocks, averaged behind the next forward and backward
+        absent = ctx.absent_everywhere(side.presence)
+        launch2 = [] if side.nonfinite else [
+            gi for gi, fg in enumerate(ctx.groups) if fg.nblocks > plan.ncrit[gi] or (clip and deferring)]
+        # a sum, divided when it lands: Horovod never fuses it with stage 1's averages (their scale
+        # factors differ), which start from the backward hooks while it runs; a fusion would make the
+        # reduction order, hence the rounding, depend on timing
+        h2 = {gi: ctx.comm.allreduce_sum_async_(self._deferred(gi), f"{ctx.prefix}.s2.{gi}")
+              for gi in launch2 if ctx.groups[gi].nblocks > plan.ncrit[gi]}
+        self.buckets.wait(handles, ctx.timeout, "stage-1 allreduce")
+        t2 = time.perf_counter()
+        stage1 = t2 - t1
+        b1 = sum(n * fg.block_size * fg.param.element_size() for fg, n in zip(ctx.groups, plan.ncrit))
+        b2 = ctx.nbytes - b1
+        self._bw_sample = self.budget.stage1_sample(b1, t2 - t_launch, ctx.nbytes) if t_launch else 0.0
+        self.buckets.reset()
+        self._packed = {}
+        self._t_ready = None
         rec = {"stage2_wait_s": wait_s, "stage1_s": stage1}
         if side.nonfinite:
             rec.update(critical_fraction=0.0, bytes_stage1=b1, bytes_stage2=0, skipped=True, overflow=True)
+            self._end_step()
             return rec
-        absent = ctx.absent_everywhere(side.presence)
-        self.budget.update(ctx.nbytes, side.bandwidth, side.window, side.wait)
-        if self.scores is None:
-            self.scores = torch.zeros(self.nblocks, dtype=torch.float32, device=self._mask.device)
-        for s in splits:
-            ops.merge_blocks(s.crit, None, s.mask, s.fg.block_size, s.fg.grad)
-            self._set_scores(s.crit, s.fg, s.mask, s.lo)
+        self.budget.update(ctx.nbytes, side.bandwidth, side.compute, side.backward, side.iteration)
+        scoring = self.budget.needs_scores or self.scores is not None and deferring
+        for gi, fg in enumerate(ctx.groups):
+            crit, mask = self._crit(gi), self._group_mask(gi)
+            if not packed_now:
+                ctx.scale_grads(inp.unscale, [crit])
+            ops.merge_blocks(crit, None, mask, fg.block_size, fg.grad)
+            if scoring:
+                self._set_scores(crit, fg, mask, self._group_lo[gi])
         coef = None
         if clip:
-            crit_sq = ctx.sq_norm([s.crit for s in splits])
+            crit_sq = ctx.sq_norm([self._crit(gi) for gi in range(len(ctx.groups))])
             # the provisional factor: the deferred part of the norm is estimated by the mean of the
             # ranks' own deferred norms; the exact factor is applied when stage 2 lands
             coef = ctx.clip_coef(inp.max_norm, crit_sq + side.deferred_sq)
             self._clip = _Clip(inp.max_norm, crit_sq) if deferring else None
-        # stage 2: deferred blocks, averaged in the background; snapshot what their exact update needs
-        for gi, (s, a) in enumerate(zip(splits, absent)):
-            if s.deferred.numel() == 0 and not (clip and deferring):
-                continue
-            b2 += s.deferred.numel() * s.deferred.element_size()
-            group = ctx.optimizer.param_groups[s.fg.group_index]
+        # snapshot what the exact update of the deferred blocks needs
+        for gi in launch2:
+            fg = ctx.groups[gi]
+            group = ctx.optimizer.param_groups[fg.group_index]
+            mask = self._group_mask(gi)
             if clip:  # the whole step is redone once the norm is known
-                snap = self.corrector.snapshot(s.fg, self._none[gi], s.fg.padded, hyper(group))
-                full = self._ws[id(s.fg)]("full").copy_(s.fg.grad)
+                snap = self.corrector.snapshot(fg, self._none[gi], fg.padded, hyper(group))
+                full = self._ws[id(fg)]("full").copy_(fg.grad)
             else:
-                snap, full = self.corrector.snapshot(s.fg, s.mask, s.deferred.numel(), hyper(group)), None
-            h = ctx.comm.allreduce_avg_async_(s.deferred, f"{ctx.prefix}.s2.{gi}") if s.deferred.numel() else None
-            self._pending.append(_Deferred(snap=snap, lo=s.lo, handle=h, avg=s.deferred, mask=s.mask.clone(),
-                                           absent=a, full=full))
-            self.budget.stage2_launched()
+                snap, full = self.corrector.snapshot(fg, mask, self._deferred(gi).numel(), hyper(group)), None
+            self._pending.append(_Deferred(snap=snap, lo=self._group_lo[gi], handle=h2.get(gi),
+                                           avg=self._deferred(gi), mask=mask, absent=absent[gi], full=full))
+        if launch2:
+            self._cur ^= 1  # the next backward packs into the other stage-2 buffer
         # LGP: the local update with the provisional gradient (averaged on critical blocks, this
         # rank's own on deferred ones); parameters without a gradient on any rank are left alone
         ctx.scale_grads(coef)
@@ -244,9 +415,29 @@ class OSPMode(Mode):
         self.corrector.adopt(ctx.groups)
         if self._pending:
             self._probe.record()
-        self.budget.stage1_done(b1, stage1, ctx.nbytes)
-        rec.update(critical_fraction=b1 / max(ctx.nbytes, 1), bytes_stage1=b1, bytes_stage2=b2, overflow=False)
+        rec.update(critical_fraction=b1 / max(ctx.nbytes, 1), bytes_stage1=b1, bytes_stage2=b2 if h2 else 0,
+                   overflow=False)
+        self._end_step()
         return rec
+
+    def _bsp_step(self, inp: StepInput) -> dict:
+        """A step handed to BSP; the last stage 2 (from before the handover) is finished first."""
+        wait_s = 0.0
+        if self._pending:
+            self.flush()  # calls on_synced
+            wait_s = self._last_wait
+        else:
+            self.ctx.on_synced()  # where OSP's own steps call it: replicas equal, before the update
+        rec = self._bsp.step(inp)
+        rec["stage2_wait_s"] = wait_s
+        self._steps += 1
+        self._end_step()
+        return rec
+
+    def _end_step(self) -> None:
+        self._plan = None  # the next step's split, from the scores as they are now (made on first use)
+        self._t_ends = (self._t_ends + [time.perf_counter()])[-2:]
+        self._follow_budget()
 
     def _deferred_masks(self) -> List[Optional[torch.Tensor]]:
         """Per flat group, the blocks its pending correction rewrites (a change elsewhere is kept: those
@@ -265,10 +456,10 @@ class OSPMode(Mode):
         if not self._pending:
             return 0.0
         t0 = time.perf_counter()
-        self.budget.stage2_awaited()
         for d in self._pending:
             if d.handle is not None:
                 self.ctx.comm.wait(d.handle, self.ctx.timeout, "stage-2 allreduce")
+                d.avg.div_(self.ctx.comm.size)
         wait = time.perf_counter() - t0
         items = [(d.snap, d.avg) for d in self._pending]
         if self._clip is not None:  # the exact factor, from the whole averaged gradient's norm
@@ -287,6 +478,7 @@ class OSPMode(Mode):
             self._set_scores(d.avg, d.snap.fg, ~d.mask, d.lo)
         self._pending = []
         self._clip = None
+        self._last_wait = wait
         return wait
 
     def flush(self):
@@ -315,6 +507,8 @@ class OSPMode(Mode):
             raise ValueError(f"osp: the checkpoint's scores cover {scores.numel()} blocks, this "
                              f"optimizer has {self.nblocks} (another model or block_size?)")
         self.scores = None if scores is None else scores.to(self.ctx.device)
+        self._plan = None
+        self._follow_budget()
 
     def after_load(self):
         self.corrector.adopt(self.ctx.groups)

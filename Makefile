@@ -8,7 +8,7 @@ CUDA_SRCS := $(wildcard csrc/cuda/*.cu)
 CUDA_CPP_SRCS := $(wildcard csrc/cuda/*.cpp)
 PYTEST_ARGS ?=
 
-.PHONY: install test test-only lint cuda-check bench-kernels bench-accuracy bench-stragglers bench-faults demo bench stress-exit clean
+.PHONY: install test test-only lint cuda-check bench-kernels bench-accuracy bench-stragglers bench-faults bench-tta demo bench stress-exit clean
 
 install:
 	@bash scripts/install.sh
@@ -68,19 +68,24 @@ bench-stragglers: install
 bench-faults: install
 	$(PY) bench/faults.py
 
+# Time to accuracy behind emulated 1 Gbit/s links (needs root): a 4M-parameter digits CNN on 2 ranks, BSP,
+# DDP, Horovod's optimizer and OSP auto, 3 seeds (about 6 minutes on 2 cores). BENCH_ARGS as for bench,
+# e.g. "--seeds 0 --epochs 2 --contenders bsp,osp-auto" for a smoke run.
+bench-tta: install
+	$(PY) bench/time_to_accuracy.py $(BENCH_ARGS)
+
 # Throughput under an emulated network bottleneck (needs root: network namespaces and tc).
 # BENCH_ARGS=--quick for a few minutes on 2 cores.
 BENCH_ARGS ?=
 bench: install
 	$(PY) bench/train_throughput.py $(BENCH_ARGS)
 
-# Quick start: BSP then OSP on 2 ranks under horovodrun, then a side-by-side table.
-HVDRUN := $(VENV)/bin/horovodrun --gloo -np 2 -H localhost:2
+# Quick start: BSP then OSP auto on 2 ranks behind a shaped 1 Gbit/s link (root: network namespaces and
+# tc; a 4M-parameter digits CNN), then a side-by-side table; elsewhere the loopback demo under horovodrun,
+# saying why. DEMO_ARGS="--epochs 3" for a shorter one, "--loopback" for the loopback one.
+DEMO_ARGS ?=
 demo: install
-	@mkdir -p runs
-	$(HVDRUN) $(PY) -m osp.train --sync bsp --json runs/demo-bsp.json
-	$(HVDRUN) $(PY) -m osp.train --sync osp --critical 0.25 --json runs/demo-osp.json
-	@echo; $(PY) -m osp.report runs/demo-bsp.json runs/demo-osp.json
+	$(PY) scripts/demo.py $(DEMO_ARGS)
 
 clean:
 	rm -rf build python/osp/*.so python/*.egg-info

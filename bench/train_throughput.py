@@ -3,13 +3,17 @@ and PyTorch DDP, in one run, with ranks in network namespaces whose links are sh
 
     python bench/train_throughput.py --quick          # a few minutes on 2 cores (needs root)
     python bench/train_throughput.py --ranks 2,4 --bandwidths 100mbit,1gbit,10gbit,none
+    python bench/train_throughput.py --models mlp,resnet18,gpt --bandwidths 1gbit --ranks 2
     python bench/train_throughput.py --variation --steps 40   # DSync: fluctuating link and compute
 
-For every bandwidth it trains a synthetic-input MLP (~8M parameters) with each contender and reports
-samples/s, the step-time breakdown (compute, stage-1 communication, stage-2 wait), the ratio to
-Horovod and to DDP, and the ideal bound max(compute, communication). Then it trains the digits CNN
-with BSP and OSP auto at the bottleneck bandwidth for test accuracy against wall time. Writes
-bench/out/throughput.{json,csv} and PNG plots.
+For every model (bench/models.py: a synthetic-input MLP of ~8M parameters, a CIFAR ResNet-18, a small
+GPT), batch and bandwidth it trains with each contender and reports samples/s, the step-time
+breakdown (compute, stage-1 communication, stage-2 wait) and the ratio to Horovod and to DDP. Two
+contenders measure the halves of the perfect-overlap bound in the same run: `compute` (the step
+without any collective) and `allreduce` (an allreduce of the gradient's size, no compute); every row's
+share of bound is max(compute, allreduce) / its step time. Then it trains the digits CNN with BSP and
+OSP auto at the bottleneck bandwidth for test accuracy against wall time. Writes
+bench/out/throughput.{json,csv} and PNG plots (throughput, accuracy, OSP auto's critical share per step).
 """
 from __future__ import annotations
 
@@ -23,7 +27,11 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONTENDERS = ["hvd", "ddp", "osp-bsp", "osp-auto", "osp-0.1", "osp-0.25", "osp-0.5"]
+sys.path.insert(0, ROOT)
+from bench.models import DEFAULT_BATCH, MODELS, build  # noqa: E402
+
+# compute, allreduce: the two halves of the perfect-overlap bound (the step alone, the collective alone)
+CONTENDERS = ["compute", "allreduce", "hvd", "ddp", "osp-bsp", "osp-auto", "osp-0.1", "osp-0.25", "osp-0.5"]
 # --variation: a link whose rate changes while training runs, and compute that varies per step
 VARIATION_CONTENDERS = ["dsync-auto", "dsync-2", "dsync-4", "osp-auto", "osp-bsp", "ddp", "hvd"]
 
@@ -37,17 +45,8 @@ def engine(contender: str, osp_backend: str) -> str:
     return "torch"
 
 
-def make_mlp(width: int):
-    import torch
-
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(1024, width), torch.nn.ReLU(), torch.nn.Linear(width, width),
-                               torch.nn.ReLU(), torch.nn.Linear(width, 1000))
-
-
 def worker(a):
     import torch
-    import torch.nn.functional as F
 
     import osp
     from osp.launcher import init_from_env
@@ -55,23 +54,30 @@ def worker(a):
     torch.set_num_threads(1)
     backend = engine(a.contender, a.osp_backend)
     comm = init_from_env(backend, timeout_s=300)
-    model = make_mlp(a.width)
+    model, make_batch, loss_fn = build(a.model, a.width)
     nparams = sum(p.numel() for p in model.parameters())
     inner = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     g = torch.Generator().manual_seed(comm.rank)
-    x = torch.randn(a.batch, 1024, generator=g)
-    y = torch.randint(0, 1000, (a.batch,), generator=g)
+    x, y = make_batch(a.batch, g)
 
-    # compute alone (no synchronization), for the breakdown and the ideal bound
+    # compute alone (no synchronization), for the breakdown and the estimated bound
     local = torch.optim.SGD(model.parameters(), lr=0.0)
     t0 = time.perf_counter()
     for _ in range(3):
         local.zero_grad()
-        F.cross_entropy(model(x), y).backward()
+        loss_fn(model(x), y).backward()
         local.step()
     compute_alone = (time.perf_counter() - t0) / 3
 
-    if a.contender == "hvd":
+    family = None
+    if a.contender == "compute":
+        # the step without any collective: forward, backward and a local SGD step
+        opt, net = inner, model
+    elif a.contender == "allreduce":
+        # the collective without any compute: a float32 buffer of the gradient's size, allreduced
+        opt, net = None, None
+        buf = torch.zeros(nparams, dtype=torch.float32)
+    elif a.contender == "hvd":
         import horovod.torch as hvd
 
         opt = hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters())
@@ -104,11 +110,15 @@ def worker(a):
     times = []
     for _ in range(a.warmup + a.steps):
         t0 = time.perf_counter()
+        if a.contender == "allreduce":
+            torch.distributed.all_reduce(buf)
+            times.append(time.perf_counter() - t0)
+            continue
         if a.jitter:
             extra_s.append(float(torch.rand((), generator=rng)) * a.jitter * compute_alone)
             busy(extra_s[-1])
         opt.zero_grad()
-        F.cross_entropy(net(x), y).backward()
+        loss_fn(net(x), y).backward()
         opt.step()
         times.append(time.perf_counter() - t0)
     t0 = time.perf_counter()
@@ -121,13 +131,18 @@ def worker(a):
         step_s = (sum(times[a.warmup:]) + flush_s) / a.steps
     else:
         step_s = statistics.median(times[a.warmup:])
-    out = {"contender": a.contender, "ranks": comm.size, "params": nparams, "batch": a.batch,
+    out = {"model": a.model, "contender": a.contender, "ranks": comm.size, "params": nparams, "batch": a.batch,
            "step_s": step_s, "samples_per_s": a.batch * comm.size / step_s, "compute_alone_s": compute_alone,
            "extra_compute_s": statistics.mean(extra_s[a.warmup:]) if extra_s else 0.0, "bytes": nparams * 4}
     if isinstance(opt, osp.DistributedOptimizer):
-        hist = opt.stats()["history"][a.warmup:]
+        full = opt.stats()["history"]
+        hist = full[a.warmup:]
         for k in ("critical_fraction", "stage1_s", "stage2_wait_s", "compute_s"):
-            out[k] = statistics.median(h[k] for h in hist)
+            vals = [h[k] for h in hist if h.get(k) is not None]
+            if vals:
+                out[k] = statistics.median(vals)
+        # every step's critical share, warm-up included: how fast auto settles, and whether it holds
+        out["criticals"] = [h.get("critical_fraction") for h in full]
         if family == "dsync":
             delays = [h["delay"] for h in hist]
             out.update(delay_median=statistics.median(delays), delay_max=max(delays),
@@ -154,13 +169,15 @@ def ring_seconds(nbytes, ranks, bits_per_s):
     return 2 * (ranks - 1) / ranks * nbytes * 8 / bits_per_s
 
 
-def run_contender(NetEm, rate, ranks, contender, a, tmp):
-    out = os.path.join(tmp, f"{contender}-{ranks}-{rate}.json")
+def run_contender(NetEm, rate, ranks, contender, a, tmp, model="mlp", batch=64):
+    tag = f"{model}-b{batch}-{contender}-{ranks}-{rate}"
+    out = os.path.join(tmp, f"{tag}.json")
+    log_prefix = os.path.join(tmp, f"log-{tag}")
     backend = engine(contender, a.osp_backend)
     argv = [sys.executable, os.path.abspath(__file__), "--worker", "--contender", contender, "--out", out,
-            "--width", str(a.width), "--batch", str(a.batch), "--steps", str(a.steps), "--warmup", str(a.warmup),
-            "--block-size", str(a.block_size), "--osp-backend", a.osp_backend, "--jitter", str(a.jitter),
-            "--timing", a.timing]
+            "--model", model, "--width", str(a.width), "--batch", str(batch), "--steps", str(a.steps),
+            "--warmup", str(a.warmup), "--block-size", str(a.block_size), "--osp-backend", a.osp_backend,
+            "--jitter", str(a.jitter), "--timing", a.timing]
     switch = None
     if a.switch:
         argv += ["--switch", a.switch]
@@ -168,10 +185,15 @@ def run_contender(NetEm, rate, ranks, contender, a, tmp):
         switch = (rates.split(","), float(period))
     with NetEm(ranks, rate=None if rate == "none" else rate, switch=switch) as net:
         codes = net.run(backend, argv, timeout=a.run_timeout, env={"PYTHONPATH": ROOT + "/python:" + ROOT},
-                        log_prefix=os.path.join(tmp, f"log-{contender}-{ranks}-{rate}"))
+                        log_prefix=log_prefix)
     if any(codes) or not os.path.exists(out):
-        logs = open(os.path.join(tmp, f"log-{contender}-{ranks}-{rate}.rank0.log")).read()[-2000:]
-        return {"contender": contender, "ranks": ranks, "rate": rate, "error": f"exit codes {codes}: {logs}"}
+        try:
+            with open(log_prefix + ".rank0.log") as fh:
+                logs = fh.read()[-2000:]
+        except OSError as e:
+            logs = f"(no log: {e})"
+        return {"model": model, "batch": batch, "contender": contender, "ranks": ranks, "rate": rate,
+                "error": f"exit codes {codes}: {logs}"}
     with open(out) as fh:
         r = json.load(fh)
     r["rate"] = rate
@@ -191,24 +213,57 @@ def run_digits(NetEm, rate, ranks, sync, critical, a, tmp):
         return json.load(fh)
 
 
+def group_key(r):
+    return (r.get("model", "mlp"), r.get("batch"), r.get("rate"), r.get("ranks"))
+
+
+def add_bounds(rows):
+    """Ratios to Horovod and DDP, and the perfect-overlap bound of each (model, batch, rate, ranks)
+    group: max(compute step, allreduce step) measured by those two contenders in this run, or, where
+    one of them is missing, the estimate max(compute alone, ring-allreduce time at the link rate)."""
+    ok = [r for r in rows if "error" not in r]
+    for r in ok:
+        peers = {x["contender"]: x for x in ok if group_key(x) == group_key(r)}
+        for key, name in (("x_hvd", "hvd"), ("x_ddp", "ddp")):
+            if name in peers:
+                r[key] = r["samples_per_s"] / peers[name]["samples_per_s"]
+        comm = 0.0 if r["rate"] == "none" else ring_seconds(r["bytes"], r["ranks"], _bits(r["rate"]))
+        r["comm_s"], r["ideal_s"] = comm, max(r["compute_alone_s"], comm)
+        if "compute" in peers and "allreduce" in peers:
+            r["bound_s"] = max(peers["compute"]["step_s"], peers["allreduce"]["step_s"])
+            r["bound_from"] = "measured"
+        else:
+            r["bound_s"], r["bound_from"] = r["ideal_s"], "estimate"
+        r["share_of_bound"] = r["bound_s"] / r["step_s"]
+
+
 def table(rows):
-    lines = ["| bandwidth | ranks | contender | samples/s | x Horovod | x DDP | step ms | compute ms | "
-             "stage-1 ms | stage-2 wait ms | critical | ideal bound ms |", "|" + "---|" * 12]
+    lines = ["| model | batch | bandwidth | ranks | contender | samples/s | x Horovod | x DDP | share of bound | "
+             "step ms | compute ms | stage-1 ms | stage-2 wait ms | critical | bound ms | estimate ms |",
+             "|" + "---|" * 16]
     ms = lambda r, k: f"{1e3 * r[k]:.1f}" if k in r else "-"  # noqa: E731
+    f2 = lambda r, k: f"{r[k]:.2f}" if k in r else "-"  # noqa: E731
+    estimated = False
     for r in rows:
+        head = [r.get("model", "mlp"), str(r.get("batch", "-")), r["rate"], str(r["ranks"]), r["contender"]]
         if "error" in r:
-            lines.append(f"| {r['rate']} | {r['ranks']} | {r['contender']} | failed |" + " |" * 8)
+            lines.append("| " + " | ".join(head) + " | failed |" + " |" * 10)
             continue
-        cells = [r["rate"], str(r["ranks"]), r["contender"], f"{r['samples_per_s']:.1f}",
-                 f"{r['x_hvd']:.2f}" if "x_hvd" in r else "-", f"{r['x_ddp']:.2f}" if "x_ddp" in r else "-",
-                 ms(r, "step_s"), ms(r, "compute_s" if "compute_s" in r else "compute_alone_s"),
-                 ms(r, "stage1_s"), ms(r, "stage2_wait_s"),
-                 f"{r['critical_fraction']:.2f}" if "critical_fraction" in r else "-", ms(r, "ideal_s")]
+        mark = "*" if r.get("bound_from") == "estimate" else ""
+        estimated = estimated or bool(mark)
+        cells = head + [f"{r['samples_per_s']:.1f}", f2(r, "x_hvd"), f2(r, "x_ddp"), f2(r, "share_of_bound") + mark,
+                        ms(r, "step_s"), "-" if r["contender"] == "allreduce" else
+                        ms(r, "compute_s" if "compute_s" in r else "compute_alone_s"),
+                        ms(r, "stage1_s"), ms(r, "stage2_wait_s"), f2(r, "critical_fraction"),
+                        ms(r, "bound_s") + mark, ms(r, "ideal_s")]
         lines.append("| " + " | ".join(cells) + " |")
+    lines.append("\nshare of bound: max(compute step, allreduce step) of the same model, batch, bandwidth and "
+                 "ranks, over the row's step time; estimate: max(compute alone, ring-allreduce time at the link "
+                 "rate)" + ("; * bound from the estimate (compute or allreduce row missing)" if estimated else ""))
     return "\n".join(lines)
 
 
-def plots(rows, digits, path_prefix):
+def plots(rows, digits, path_prefix, warmup=0):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -216,23 +271,48 @@ def plots(rows, digits, path_prefix):
 
     ok = [r for r in rows if "error" not in r]
     rates = sorted({r["rate"] for r in ok}, key=lambda s: float("inf") if s == "none" else _bits(s))
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for ranks in sorted({r["ranks"] for r in ok}):
-        for c in CONTENDERS:
-            pts = [(rates.index(r["rate"]), r["samples_per_s"]) for r in ok
-                   if r["contender"] == c and r["ranks"] == ranks]
+    groups = sorted({(r.get("model", "mlp"), r["batch"]) for r in ok},
+                    key=lambda mb: (MODELS.index(mb[0]) if mb[0] in MODELS else 99, mb[1]))
+    if groups:
+        fig, axes = plt.subplots(1, len(groups), figsize=(7 * len(groups), 4.5), squeeze=False)
+        for ax, (model, batch) in zip(axes[0], groups):
+            for ranks in sorted({r["ranks"] for r in ok}):
+                for c in CONTENDERS:
+                    pts = [(rates.index(r["rate"]), r["samples_per_s"]) for r in ok if r["contender"] == c
+                           and r["ranks"] == ranks and r.get("model", "mlp") == model and r["batch"] == batch]
+                    if pts:
+                        xs, ys = zip(*sorted(pts))
+                        style = "--" if c in ("compute", "allreduce") else "-"
+                        ax.plot(xs, ys, style, marker="o", label=f"{c} ({ranks} ranks)")
+            ax.set_xticks(range(len(rates)), rates)
+            ax.set_xlabel("link bandwidth per rank")
+            ax.set_ylabel("samples/s")
+            ax.set_yscale("log")
+            ax.set_title(f"Throughput vs bandwidth ({model}, batch {batch}/rank, synthetic data)")
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(path_prefix + "_throughput.png", dpi=110)
+        plt.close(fig)
+    auto = [r for r in ok if r["contender"] == "osp-auto" and r.get("criticals")]
+    if auto:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for r in auto:
+            pts = [(i + 1, c) for i, c in enumerate(r["criticals"]) if c is not None]
             if pts:
-                xs, ys = zip(*sorted(pts))
-                ax.plot(xs, ys, marker="o", label=f"{c} ({ranks} ranks)")
-    ax.set_xticks(range(len(rates)), rates)
-    ax.set_xlabel("link bandwidth per rank")
-    ax.set_ylabel("samples/s")
-    ax.set_yscale("log")
-    ax.set_title("Throughput vs bandwidth (MLP, synthetic input)")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path_prefix + "_throughput.png", dpi=110)
-    plt.close(fig)
+                xs, ys = zip(*pts)
+                ax.plot(xs, ys, marker=".", label=f"{r.get('model', 'mlp')} b{r['batch']} {r['rate']} "
+                        f"{r['ranks']} ranks")
+        if warmup:
+            ax.axvline(warmup + 0.5, color="gray", linestyle=":", label="end of warm-up")
+        ax.axvline(10.5, color="gray", linestyle="--", label="step 10")
+        ax.set_xlabel("step (warm-up included)")
+        ax.set_ylabel("critical share (stage 1)")
+        ax.set_ylim(0, 1.05)
+        ax.set_title("OSP(auto): critical share per step")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(path_prefix + "_critical.png", dpi=110)
+        plt.close(fig)
     if digits:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for d in digits:
@@ -259,12 +339,14 @@ def variation(a, NetEm, tmp):
     avg_bits = statistics.mean(_bits(r) for r in rates)
     steady = f"{avg_bits / 1e6:.0f}mbit"
     contenders = a.contenders.split(",") if a.contenders != ",".join(CONTENDERS) else VARIATION_CONTENDERS
+    model = a.models.split(",")[0]
+    batch = batches_for(model, a)[0]
     scenarios = [("steady", steady, None, 0.0), ("fluctuating", rates[0], a.switch, a.jitter or 1.0)]
     rows, t_start = [], time.monotonic()
     for name, rate, switch, jitter in scenarios:
         sub = argparse.Namespace(**{**vars(a), "switch": switch, "jitter": jitter})
         for c in contenders:
-            r = run_contender(NetEm, rate, 2, c, sub, tmp)
+            r = run_contender(NetEm, rate, 2, c, sub, tmp, model, batch)
             r.update(scenario=name, link=f"{a.switch} (average {steady})" if switch else steady)
             rows.append(r)
             msg = r.get("error", "")[:300] or f"{r['samples_per_s']:8.1f} samples/s  step {1e3 * r['step_s']:.0f} ms"
@@ -279,8 +361,11 @@ def variation(a, NetEm, tmp):
         compute = r["compute_alone_s"] + r["extra_compute_s"]
         r["comm_s"] = ring_seconds(r["bytes"], r["ranks"], avg_bits)
         r["ideal_s"] = max(compute, r["comm_s"])
+        if "compute" in peers and "allreduce" in peers:  # measured in this scenario, when asked for
+            r["ideal_s"] = max(peers["compute"]["step_s"], peers["allreduce"]["step_s"])
         r["share_of_bound"] = r["ideal_s"] / r["step_s"]
-    lines = ["| link | contender | samples/s | share of bound | x OSP(auto) | x DDP | x Horovod | step ms | "
+    lines = [f"{model}, batch {batch} per rank, 2 ranks", "",
+             "| link | contender | samples/s | share of bound | x OSP(auto) | x DDP | x Horovod | step ms | "
              "bound ms | delay (median / max) |", "|" + "---|" * 10]
     f2 = lambda r, k: f"{r[k]:.2f}" if k in r else "-"  # noqa: E731
     for r in rows:
@@ -295,10 +380,18 @@ def variation(a, NetEm, tmp):
 
 
 def _bits(rate):
-    sys.path.insert(0, ROOT)
     from bench.netem.netem import parse_rate
 
     return parse_rate(rate)
+
+
+def batches_for(model, a):
+    """The per-rank batches to run ``model`` with: --batches, else --batch, else the model's default."""
+    if a.batches:
+        return [int(b) for b in a.batches.split(",")]
+    if a.batch:
+        return [a.batch]
+    return [DEFAULT_BATCH[model]]
 
 
 def main(argv=None):
@@ -306,12 +399,16 @@ def main(argv=None):
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--contender", default="osp-auto")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--model", default="mlp", choices=MODELS, help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true", help="2 ranks, two bandwidths, few steps")
+    ap.add_argument("--models", default="mlp", help=f"comma list of {', '.join(MODELS)} (bench/models.py)")
     ap.add_argument("--ranks", default="2,4")
     ap.add_argument("--bandwidths", default="100mbit,1gbit,10gbit,none")
     ap.add_argument("--contenders", default=",".join(CONTENDERS))
     ap.add_argument("--width", type=int, default=2048, help="MLP hidden width (2048: ~8.4M parameters)")
-    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=None, help="per-rank batch for every model (default per "
+                    "model: " + ", ".join(f"{m} {b}" for m, b in DEFAULT_BATCH.items()) + ")")
+    ap.add_argument("--batches", default=None, help="comma list of per-rank batches: each model runs with each")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--block-size", type=int, default=65536)
@@ -319,6 +416,7 @@ def main(argv=None):
     ap.add_argument("--digits-rate", default=None, help="bandwidth for the accuracy runs (default: the "
                     "one where BSP communicates about as long as it computes)")
     ap.add_argument("--digits-epochs", type=int, default=15)
+    ap.add_argument("--no-digits", action="store_true", help="skip the digits accuracy runs")
     ap.add_argument("--run-timeout", type=float, default=300)
     ap.add_argument("--jitter", type=float, default=0.0, help="extra compute per step: a uniform random share "
                     "in [0, JITTER] of the compute time")
@@ -327,14 +425,17 @@ def main(argv=None):
     ap.add_argument("--timing", choices=["median", "total"], default="median", help="a step's time: the "
                     "median step, or the whole run (flush included) over the steps (--variation uses total)")
     ap.add_argument("--variation", action="store_true", help="DSync against OSP, BSP, DDP and Horovod on a "
-                    "steady link and on a fluctuating one with varying compute (2 ranks)")
+                    "steady link and on a fluctuating one with varying compute (2 ranks, the first of --models)")
     ap.add_argument("--json", default=os.path.join(ROOT, "bench", "out", "throughput.json"))
     a = ap.parse_args(argv)
     if a.worker:
         return worker(a)
+    models = a.models.split(",")
+    for m in models:
+        if m not in MODELS:
+            ap.error(f"--models: unknown model {m!r}; choose from {', '.join(MODELS)}")
     if a.quick:
         a.ranks, a.bandwidths, a.steps, a.warmup, a.digits_epochs = "2", "1gbit,none", 6, 3, 10
-    sys.path.insert(0, ROOT)
     from bench.netem.netem import NetEm
 
     if a.variation:
@@ -350,32 +451,24 @@ def main(argv=None):
         print()
         print(text)
         return 0
-    rows, digits = [], []
-    runs = [(r, int(n), c) for r in a.bandwidths.split(",") for n in a.ranks.split(",")
-            for c in a.contenders.split(",")]
+    rows, digits, rate = [], [], None
+    runs = [(m, b, r, int(n), c) for m in models for b in batches_for(m, a) for r in a.bandwidths.split(",")
+            for n in a.ranks.split(",") for c in a.contenders.split(",")]
     t_start = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
-        for i, (rate, ranks, c) in enumerate(runs):
-            r = run_contender(NetEm, rate, ranks, c, a, tmp)
+        for i, (model, batch, rate, ranks, c) in enumerate(runs):
+            r = run_contender(NetEm, rate, ranks, c, a, tmp, model, batch)
             rows.append(r)
             msg = r.get("error", "")[:300] or f"{r['samples_per_s']:8.1f} samples/s  step {1e3 * r['step_s']:.0f} ms"
-            print(f"[{i + 1}/{len(runs)} {time.monotonic() - t_start:5.0f}s] {rate:>7s} {ranks} ranks "
-                  f"{c:9s} {msg}", flush=True)
-        for r in rows:
-            if "error" in r:
-                continue
-            peers = {x["contender"]: x for x in rows if x.get("rate") == r["rate"] and x["ranks"] == r["ranks"]
-                     and "error" not in x}
-            for key, name in (("x_hvd", "hvd"), ("x_ddp", "ddp")):
-                if name in peers:
-                    r[key] = r["samples_per_s"] / peers[name]["samples_per_s"]
-            comm = 0.0 if r["rate"] == "none" else ring_seconds(r["bytes"], r["ranks"], _bits(r["rate"]))
-            r["comm_s"], r["ideal_s"] = comm, max(r["compute_alone_s"], comm)
-        # accuracy at the bottleneck: the bandwidth where BSP's communication is closest to compute
-        rate = a.digits_rate
-        if rate is None:
+            print(f"[{i + 1}/{len(runs)} {time.monotonic() - t_start:5.0f}s] {model:8s} b{batch:<4d} {rate:>7s} "
+                  f"{ranks} ranks {c:9s} {msg}", flush=True)
+        add_bounds(rows)
+        # accuracy at the bottleneck: the bandwidth where BSP's communication is closest to compute (for
+        # the first model of --models)
+        rate = None if a.no_digits else a.digits_rate
+        if rate is None and not a.no_digits:
             shaped = [r for r in rows if r.get("contender") == "osp-bsp" and r.get("rate") != "none"
-                      and "error" not in r]
+                      and "error" not in r and r.get("model") == models[0]]
             if shaped:
                 rate = min(shaped, key=lambda r: abs(r["comm_s"] - r["compute_alone_s"]))["rate"]
         if rate:
@@ -392,7 +485,7 @@ def main(argv=None):
         w = csv.DictWriter(fh, fieldnames=keys)
         w.writeheader()
         w.writerows(rows)
-    plots(rows, digits, a.json[:-5])
+    plots(rows, digits, a.json[:-5], a.warmup)
     print()
     print(table(rows))
     if digits and all("error" not in d for d in digits):

@@ -1,0 +1,297 @@
+"""Time to accuracy where the network matters: a ~4M-parameter digits CNN on 2 ranks behind an
+emulated 1 Gbit/s link, BSP against DDP, Horovod's optimizer and OSP ``auto``, several seeds.
+
+Every run is ``python -m osp.train`` (DigitsCNN widened: ``--width 120`` makes fc1 512->7680, 4.02M
+parameters, 16 MB of fp32 gradient a step) on 2 ranks, each in its own network namespace with its
+link shaped by tc (``bench.netem.netem.NetEm``, a fresh one per run). ``bsp``, ``osp-auto`` and
+``ddp`` run on torch.distributed (Gloo, env://), ``hvd`` on Horovod (Gloo controller). All
+contenders get the same epochs, batch per rank, lr and seed; the seeds loop outside the contenders,
+so a drift of the (shared) machine's load touches every contender alike.
+
+The target accuracy is the mean over seeds of BSP's final test accuracy (its last epoch's). A run's
+time to accuracy is osp.train's ``wall_s`` (training time, evaluation and start-up excluded) at the
+end of the first epoch whose test accuracy reaches the target ("not reached" if none does); the
+speedup is BSP's mean time to the target over a contender's mean time (over the seeds where both
+reached it), and per seed BSP's time over the contender's with the same seed.
+
+    python bench/time_to_accuracy.py                         # needs root (namespaces, tc)
+    python bench/time_to_accuracy.py --seeds 0 --epochs 2 --contenders bsp,osp-auto   # a smoke run
+    python bench/time_to_accuracy.py --report bench/out/time_to_accuracy.json         # re-print
+
+Writes bench/out/time_to_accuracy.json and bench/out/time_to_accuracy.png (test accuracy against
+wall time, one thin line per contender and seed) and prints markdown tables.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# contender -> (osp.train options, engine)
+CONTENDERS = {
+    "bsp": (["--sync", "bsp"], "torch"),
+    "ddp": (["--sync", "ddp"], "torch"),
+    "hvd": (["--sync", "hvd"], "horovod"),
+    "osp-auto": (["--sync", "osp", "--critical", "auto"], "torch"),
+}
+COLORS = {"bsp": "tab:blue", "ddp": "tab:gray", "hvd": "tab:orange", "osp-auto": "tab:green"}
+TARGET_RULE = "mean over seeds of BSP's final test accuracy (last epoch)"
+
+
+def train_argv(contender: str, seed: int, a, out: str, progress: bool = False) -> list:
+    opts, engine = CONTENDERS[contender]
+    return [sys.executable, "-m", "osp.train", *opts, "--backend", engine, "--epochs", str(a.epochs),
+            "--batch-size", str(a.batch_size), "--lr", str(a.lr), "--width", str(a.width),
+            "--channels", str(a.channels), "--seed", str(seed), "--json", out] + ([] if progress else ["--no-progress"])
+
+
+def _follow(path: str, stop: threading.Event, emit) -> None:
+    """Pass the lines osp.train's rank 0 prints (its start line and one per epoch) to ``emit`` as they
+    appear in its log, until ``stop`` is set and the log is read to its end."""
+    fh = None
+    try:
+        while fh is None:
+            try:
+                fh = open(path)
+            except OSError:
+                if stop.wait(0.2):
+                    return
+        buf = ""
+        while True:
+            done = stop.is_set()
+            buf += fh.read()
+            *lines, buf = buf.split("\n")
+            for ln in lines:
+                if ln.startswith(("osp.train:", "epoch ")):
+                    emit(ln)
+            if done:
+                return
+            stop.wait(0.2)
+    finally:
+        if fh is not None:
+            fh.close()
+
+
+def run_one(NetEm, contender: str, seed: int, a, tmp: str, emit=None) -> dict:
+    """One ``osp.train`` run of ``contender`` on ``a.ranks`` ranks behind links of ``a.rate``: its
+    result JSON, or {"error": ...} with the tail of rank 0's log. ``emit``: called with each line of
+    rank 0's progress (its start line and one per epoch) as it comes."""
+    out = os.path.join(tmp, f"{contender}-{seed}.json")
+    log = os.path.join(tmp, f"log-{contender}-{seed}")
+    engine = CONTENDERS[contender][1]
+    for old in [out] + [f"{log}.rank{i}.log" for i in range(a.ranks)]:  # of an earlier run into the same place
+        if os.path.exists(old):
+            os.remove(old)
+    stop, follower = threading.Event(), None
+    if emit is not None:
+        follower = threading.Thread(target=_follow, args=(log + ".rank0.log", stop, emit), daemon=True)
+        follower.start()
+    try:
+        with NetEm(a.ranks, rate=None if a.rate == "none" else a.rate) as net:
+            codes = net.run(engine, train_argv(contender, seed, a, out, progress=emit is not None),
+                            timeout=a.run_timeout, env={"PYTHONPATH": ROOT + "/python:" + ROOT}, log_prefix=log)
+    except KeyboardInterrupt:
+        raise
+    except Exception as e:  # noqa: BLE001 - a failed setup is reported like a failed run
+        return {"error": f"{type(e).__name__}: {e}"}
+    finally:
+        if follower is not None:
+            stop.set()
+            follower.join(timeout=5)
+    if any(codes) or not os.path.exists(out):
+        try:
+            with open(log + ".rank0.log") as fh:
+                tail = fh.read()[-2000:]
+        except OSError:
+            tail = ""
+        return {"error": f"exit codes {codes}: {tail}"}
+    with open(out) as fh:
+        return json.load(fh)
+
+
+def short(error: str) -> str:
+    """A run's error in one line: the exit codes and the log's last line (the exception, usually)."""
+    head, _, log = error.partition(": ")
+    last = [ln for ln in log.splitlines() if ln.strip()][-1:] if log else []
+    return f"{head}: {last[0].strip()}"[:200] if last else error.splitlines()[0][:200]
+
+
+def time_to(run: dict, target: float):
+    """Training wall time at the end of the first epoch reaching ``target`` (None: never)."""
+    for e in run.get("epochs", []):
+        if e["test_acc"] >= target - 1e-9:
+            return e["wall_s"]
+    return None
+
+
+def summarize(runs: dict, contenders: list, seeds: list) -> dict:
+    """runs: {"contender/seed": result} -> the target, per-run rows and per-contender means."""
+    bsp_final = [runs[f"bsp/{s}"]["final_test_acc"] for s in seeds if "error" not in runs.get(f"bsp/{s}", {"error": 1})]
+    if not bsp_final:
+        return {"target": None, "target_rule": TARGET_RULE, "rows": [], "contenders": {}}
+    target = statistics.mean(bsp_final)
+    rows, per = [], {}
+    for c in contenders:
+        for s in seeds:
+            r = runs.get(f"{c}/{s}", {"error": "not run"})
+            if "error" in r:
+                rows.append({"contender": c, "seed": s, "error": r["error"]})
+                continue
+            t = time_to(r, target)
+            tb = time_to(runs.get(f"bsp/{s}", {}), target)
+            rows.append({"contender": c, "seed": s, "final_test_acc": r["final_test_acc"], "time_to_target_s": t,
+                         "speedup_vs_bsp": tb / t if t and tb else None, "train_s": r["train_s"],
+                         "samples_per_s": r["samples_per_s"],
+                         "critical_fraction": r.get("osp_stats", {}).get("mean", {}).get("critical_fraction")})
+    for c in contenders:
+        mine = [x for x in rows if x["contender"] == c and "error" not in x]
+        reached = [x for x in mine if x["time_to_target_s"] is not None]
+        both = [(x, next((b for b in rows if b["contender"] == "bsp" and b["seed"] == x["seed"]
+                          and b.get("time_to_target_s") is not None), None)) for x in reached]
+        both = [(x, b) for x, b in both if b is not None]
+        per[c] = {
+            "runs": len(mine), "reached": len(reached),
+            "final_test_acc": statistics.mean(x["final_test_acc"] for x in mine) if mine else None,
+            "time_to_target_s": statistics.mean(x["time_to_target_s"] for x in reached) if reached else None,
+            "speedup_vs_bsp": (statistics.mean(b["time_to_target_s"] for _, b in both)
+                               / statistics.mean(x["time_to_target_s"] for x, _ in both)) if both else None,
+            "samples_per_s": statistics.mean(x["samples_per_s"] for x in mine) if mine else None,
+            "train_s": statistics.mean(x["train_s"] for x in mine) if mine else None,
+        }
+    return {"target": target, "target_rule": TARGET_RULE, "rows": rows, "contenders": per}
+
+
+def tables(summary: dict, a) -> str:
+    if summary["target"] is None:
+        return "no BSP run finished: no target accuracy, no table"
+    head = (f"{a.ranks} ranks behind {a.rate} links; DigitsCNN width {a.width} channels {a.channels}"
+            f"{' (' + str(a.params) + ' parameters)' if getattr(a, 'params', None) else ''}, SGD momentum 0.9, "
+            f"lr {a.lr}, batch {a.batch_size} per rank, {a.epochs} epochs, seeds {a.seeds}.\n"
+            f"Target: {100 * summary['target']:.2f}% = {summary['target_rule']}. Times are training wall time "
+            f"(evaluation and start-up excluded) at the end of the first epoch reaching it; speedup = BSP's time / "
+            f"the contender's.\n")
+    lines = [head, "| contender | seed | final test acc | time to target (s) | speedup vs BSP | train s | samples/s | "
+             "critical share |", "|---|---|---|---|---|---|---|---|"]
+    for x in summary["rows"]:
+        if "error" in x:
+            lines.append(f"| {x['contender']} | {x['seed']} | failed: {short(x['error'])} | | | | | |")
+            continue
+        t, sp, cf = x["time_to_target_s"], x["speedup_vs_bsp"], x["critical_fraction"]
+        lines.append(f"| {x['contender']} | {x['seed']} | {100 * x['final_test_acc']:.2f}% | "
+                     f"{'not reached' if t is None else f'{t:.2f}'} | {'-' if sp is None else f'{sp:.2f}x'} | "
+                     f"{x['train_s']:.2f} | {x['samples_per_s']:.0f} | {'-' if cf is None else f'{cf:.2f}'} |")
+    lines += ["", "| contender | mean final test acc | reached target | mean time to target (s) | speedup vs BSP | "
+              "mean train s | mean samples/s |", "|---|---|---|---|---|---|---|"]
+    for c, m in summary["contenders"].items():
+        if not m["runs"]:
+            lines.append(f"| {c} | failed | | | | | |")
+            continue
+        t, sp = m["time_to_target_s"], m["speedup_vs_bsp"]
+        lines.append(f"| {c} | {100 * m['final_test_acc']:.2f}% | {m['reached']}/{m['runs']} | "
+                     f"{'not reached' if t is None else f'{t:.2f}'} | {'-' if sp is None else f'{sp:.2f}x'} | "
+                     f"{m['train_s']:.2f} | {m['samples_per_s']:.0f} |")
+    return "\n".join(lines)
+
+
+def plot(runs: dict, contenders: list, seeds: list, target, rate: str, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for c in contenders:
+        for i, s in enumerate(seeds):
+            r = runs.get(f"{c}/{s}", {})
+            if "epochs" not in r:
+                continue
+            ax.plot([e["wall_s"] for e in r["epochs"]], [100 * e["test_acc"] for e in r["epochs"]],
+                    color=COLORS.get(c), lw=0.9, alpha=0.8, marker=".", ms=3, label=c if i == 0 else None)
+    if target is not None:
+        ax.axhline(100 * target, color="k", ls="--", lw=0.8, label=f"target {100 * target:.2f}% (BSP final)")
+    ax.set_xlabel("training wall time (s)")
+    ax.set_ylabel("digits test accuracy (%)")
+    ax.set_ylim(80 if target is None else min(80, 100 * target - 10), 100)  # a short run ends lower
+    ax.grid(alpha=0.3)
+    ax.set_title(f"Time to accuracy, 2 ranks behind {rate} links")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"plot: {path}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rate", default="1gbit", help="every rank's link rate (tc tbf), e.g. 1gbit, 500mbit; none: "
+                    "namespaces without shaping")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--contenders", default=",".join(CONTENDERS), help=f"of {','.join(CONTENDERS)}")
+    ap.add_argument("--epochs", type=int, default=12)
+    ap.add_argument("--width", type=int, default=120, help="DigitsCNN width (120: fc1 512->7680, 4.02M parameters)")
+    ap.add_argument("--channels", type=int, default=16)
+    ap.add_argument("--batch-size", type=int, default=64, help="per rank")
+    ap.add_argument("--lr", type=float, default=0.1)
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--run-timeout", type=float, default=600, help="seconds per run")
+    ap.add_argument("--json", default=os.path.join(ROOT, "bench", "out", "time_to_accuracy.json"))
+    ap.add_argument("--plot", default=None, help="default: the --json path with .png")
+    ap.add_argument("--report", default=None, metavar="JSON", help="only print the tables of a saved run")
+    a = ap.parse_args(argv)
+    if a.report:
+        with open(a.report) as fh:
+            saved = json.load(fh)
+        for key, value in saved["config"].items():
+            if key not in ("report", "json", "plot"):
+                setattr(a, key, value)
+        contenders = ["bsp"] + [c for c in a.contenders.split(",") if c != "bsp"]
+        seeds = [int(s) for s in a.seeds.split(",")]
+        print(tables(summarize(saved["runs"], contenders, seeds), a))
+        return 0
+    contenders = ["bsp"] + [c for c in a.contenders.split(",") if c != "bsp"]  # BSP sets the target
+    unknown = [c for c in contenders if c not in CONTENDERS]
+    if unknown:
+        ap.error(f"unknown contender(s) {unknown}; known: {','.join(CONTENDERS)}")
+    seeds = [int(s) for s in a.seeds.split(",")]
+    sys.path.insert(0, ROOT)
+    from bench.netem.netem import NetEm
+    from osp.train import DigitsCNN
+
+    a.params = sum(p.numel() for p in DigitsCNN(a.width, a.channels).parameters())
+    print(f"DigitsCNN width {a.width} channels {a.channels}: {a.params} parameters "
+          f"({4 * a.params / 1e6:.1f} MB of fp32 gradient a step); {a.ranks} ranks behind {a.rate}", flush=True)
+    runs, t_start = {}, time.monotonic()
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed in seeds:
+            for c in contenders:
+                r = run_one(NetEm, c, seed, a, tmp)
+                runs[f"{c}/{seed}"] = r
+                msg = "failed: " + short(r["error"]) if "error" in r else (
+                    f"final test acc {100 * r['final_test_acc']:.2f}%  train {r['train_s']:.2f} s  "
+                    f"{r['samples_per_s']:.0f} samples/s")
+                print(f"[{time.monotonic() - t_start:5.0f}s] seed {seed} {c:9s} {msg}", flush=True)
+    summary = summarize(runs, contenders, seeds)
+    keep = ("config", "epochs", "final_test_acc", "samples_per_s", "train_s", "steps", "osp_stats", "error")
+    os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
+    with open(a.json, "w") as fh:
+        json.dump({"config": vars(a), "summary": summary,
+                   "runs": {k: {f: v for f, v in r.items() if f in keep} for k, r in runs.items()}}, fh, indent=1)
+    print(f"results: {a.json}")
+    plot(runs, contenders, seeds, summary["target"], a.rate, a.plot or a.json[:-5] + ".png")
+    print()
+    print(tables(summary, a))
+    return 0 if all("error" not in r for r in runs.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

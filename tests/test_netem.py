@@ -60,26 +60,28 @@ def test_clear_errors(monkeypatch):
         NetEm(0)
 
 
-def auto_run(rate, tmp_path):
-    """OSP(auto) for 16 steps on 2 ranks (a 3.2M-parameter MLP, batch 256), with the throughput bench's
-    own worker; returns the critical share of every step."""
+def auto_run(rate, batch, tmp_path):
+    """OSP(auto) for 16 steps on 2 ranks (a 3.2M-parameter MLP), with the throughput bench's own worker;
+    returns the critical share of every step and what the budget measured."""
     out = tmp_path / f"auto-{rate}.json"
     argv = [sys.executable, os.path.join(ROOT, "bench", "train_throughput.py"), "--worker", "--contender",
-            "osp-auto", "--out", str(out), "--model", "mlp", "--width", "1024", "--batch", "256", "--steps", "6",
-            "--warmup", "10"]
+            "osp-auto", "--out", str(out), "--model", "mlp", "--width", "1024", "--batch", str(batch), "--steps",
+            "6", "--warmup", "10"]
     with NetEm(2, rate=rate, tag=f"t{os.getpid() % 1000}") as net:
         codes = net.run("torch", argv, timeout=300, env={"PYTHONPATH": ROOT + "/python:" + ROOT})
     assert codes == [0, 0]
-    return json.loads(out.read_text())["criticals"]
+    res = json.loads(out.read_text())
+    return res["criticals"], res["budget"]
 
 
 @pytest.mark.multiproc
 @pytest.mark.skipif(not CAN_RUN, reason="needs root with ip and tc (network namespaces)")
 def test_auto_defers_behind_a_slow_link_and_not_on_a_fast_one(tmp_path):
-    """Real ranks, real links. Behind 1 Gbit/s the 12.5 MB allreduce (0.1 s) is twice the compute and
-    does not fit in backward: 'auto' settles on deferring by step 10 and holds it. On loopback the
-    allreduce hides in backward: it stays fully critical (BSP) throughout."""
-    slow = auto_run("1gbit", tmp_path)
-    assert slow[:5] == [1.0] * 5 and 0.0 < slow[9] < 0.6 and len(set(slow[9:])) == 1, slow
-    fast = auto_run(None, tmp_path)
-    assert fast == [1.0] * 16, fast
+    """Real ranks, real links. Behind 1 Gbit/s the 12.5 MB allreduce (0.1 s) is twice the compute (batch
+    256) and does not fit in backward: 'auto' tries deferring, settles on it by step 10 and holds the
+    share. On loopback, with a larger batch (the allreduce about a fifth of backward), it stays fully
+    critical (BSP) throughout."""
+    slow, budget = auto_run("1gbit", 256, tmp_path)
+    assert slow[:4] == [1.0] * 4 and 0.0 < slow[9] < 0.6 and len(set(slow[9:])) == 1, (slow, budget)
+    fast, budget = auto_run(None, 1024, tmp_path)
+    assert fast == [1.0] * 16, (fast, budget)

@@ -332,44 +332,54 @@ def test_step_hooks_run_once_per_step(one_rank, sync, make_opt):
     assert calls == ["pre", "inner-post", "post", "global"] * 4
 
 
-def _feed_budget(iteration_bsp: float, iteration_osp: float, bw: float, backward: float = 0.05,
-                 nbytes: float = 32e6):
-    """An 'auto' budget fed the measurements a step would average across ranks; returns it and the
-    critical share each of 16 steps ran at (count of 1000 blocks, asked before the step)."""
+def _feed_budget(iterations, bw: float, backward: float = 0.05, nbytes: float = 32e6):
+    """An 'auto' budget fed the measurements a step would average across ranks, each step's iteration
+    time by the critical share it ran at (``iterations``: for all critical, for the model share near
+    0.125, for the smaller one); returns the budget and the critical share of each of 16 steps (the
+    count of 1000 blocks asked before the step, rounded to 0.01)."""
     from osp.policy import Budget
     b = Budget("auto", 0.05, warmup=2)
-    shares = []
+    shares, ran = [], []
     for step in range(1, 17):
-        shares.append(b.count(1000) / 1000)
-        it = iteration_bsp if shares[-1] == 1.0 else iteration_osp
+        shares.append(round(b.count(1000) / 1000, 2))
         # a bandwidth sample arrives a step late, from the warmup steps only
-        b.update(nbytes, bw if step in (2, 3) else 0.0, 0.1, backward, it if step > 1 else 0.0)
+        b.update(nbytes, bw if step in (2, 3) else 0.0, 0.1, backward, iterations[ran[-1]] if ran else 0.0)
+        ran.append(shares[-1])
     return b, shares
 
 
+# a slow link: 32 MB in 0.32 s against a 50 ms backward; the model share is 0.8 * 0.05 / 0.32 = 0.125,
+# a quarter of it is below min_critical (0.05)
+SLOW = dict(bw=1e8)
+
+
 def test_auto_defers_where_it_pays_and_holds():
-    """A slow link (32 MB in 0.32 s against a 50 ms backward): 'auto' models c = 0.8 * 0.05 / 0.32,
-    tries it at steps 6-8 and, 20% faster than BSP, keeps it from step 10 on."""
-    b, shares = _feed_budget(iteration_bsp=0.40, iteration_osp=0.32, bw=1e8)
-    assert shares[:5] == [1.0] * 5 and b.model == pytest.approx(0.125)
-    assert len(set(shares[5:])) == 1 and shares[5] == pytest.approx(0.125, abs=2e-3)
-    assert b.phase == "settled" and b.fraction == b.model and b.in_backward and b.needs_scores
+    """The model share beats BSP by 20% and the smaller one is no faster: from step 10 on, the model's."""
+    b, shares = _feed_budget({1.0: 0.40, 0.13: 0.32, 0.05: 0.32}, **SLOW)
+    assert shares[:4] == [1.0] * 4 and shares[4:6] == [0.13] * 2 and shares[6:9] == [0.05] * 3, shares
+    assert shares[9:] == [0.13] * 7 and b.phase == "settled" and b.in_backward and b.needs_scores
+
+
+def test_auto_takes_the_smaller_share_when_it_is_faster():
+    """The step waits for the last bucket's critical blocks after backward: fewer of them pay."""
+    b, shares = _feed_budget({1.0: 0.40, 0.13: 0.34, 0.05: 0.30}, **SLOW)
+    assert shares[9:] == [0.05] * 7 and b.phase == "settled", shares
 
 
 def test_auto_falls_back_to_bsp_where_deferring_does_not_pay():
-    """The same model, but its steps are not 3% faster than BSP's: fully critical from step 10 on, and
-    handed to BSP for good (no scores needed)."""
-    b, shares = _feed_budget(iteration_bsp=0.40, iteration_osp=0.395, bw=1e8)
-    assert shares[5:9] == [pytest.approx(0.125, abs=2e-3)] * 4 and shares[9:] == [1.0] * 7
+    """Neither share's steps are 3% faster than BSP's: fully critical from step 10 on, and handed to BSP
+    for good (no scores needed)."""
+    b, shares = _feed_budget({1.0: 0.40, 0.13: 0.395, 0.05: 0.399}, **SLOW)
+    assert shares[4:9] == [0.13, 0.13, 0.05, 0.05, 0.05] and shares[9:] == [1.0] * 7, shares
     assert b.phase == "settled" and not b.needs_scores
 
 
 def test_auto_stays_bsp_where_the_allreduce_hides_in_backward():
     """A fast link (32 MB in 32 ms against a 50 ms backward): the model says every block fits in
-    backward; settled fully critical at step 5, nothing tried."""
-    b, shares = _feed_budget(iteration_bsp=0.1, iteration_osp=0.05, bw=1e9)
+    backward; settled fully critical at step 4, nothing tried."""
+    b, shares = _feed_budget({1.0: 0.1}, bw=1e9)
     assert shares == [1.0] * 16 and b.phase == "settled" and b.model == 1.0 and not b.needs_scores
-    assert not b.iterations["osp"]
+    assert not b.iterations["model"] and not b.iterations["small"]
 
 
 def test_critical_zero_defers_everything(one_rank):

@@ -26,40 +26,47 @@ class Budget:
     """The number of critical blocks per step, and whether stage 1 starts during backward.
 
     Fixed: ``ceil(critical * nblocks)`` per bucket, at least ``min_critical * nblocks``; stage 1 always
-    starts from the backward hooks. ``auto`` decides by measuring, in four phases, and then holds:
+    starts from the backward hooks. ``auto`` decides by measuring, then holds:
 
     1. ``warmup`` steps fully critical with stage 1 at ``step()`` (nothing else on the network): the
-       bandwidth (bytes of stage 1 over its time) and the compute between steps;
+       bandwidth (bytes of stage 1 over its time);
     2. ``probe`` steps fully critical with stage 1 from the backward hooks, which is BSP as DDP does
        it: the iteration time, and the backward window its buckets overlap;
-    3. ``probe`` steps at the modelled share ``c = HEADROOM * backward / allreduce``: stage 1 (``c`` of
-       the bytes) fits in the backward window, stage 2 runs behind the next forward and backward; a
-       share of 1 or more means the allreduce hides in backward anyway, and phase 3 is skipped;
-    4. settled: ``c`` if its iterations were at least ``MARGIN`` faster than BSP's, else fully
-       critical (in-backward BSP: ``auto`` never runs slower than BSP for long, and defers nothing
-       where deferring does not pay). With ``warmup=2`` and ``probe=3`` it settles at step 10.
+    3. ``probe`` steps at the modelled share ``c = HEADROOM * backward / allreduce`` (stage 1 fits in
+       the backward window; stage 2 runs behind the next forward and backward); a share of 1 or more
+       means the allreduce hides in backward anyway: no trial, every block stays critical;
+    4. ``probe`` steps at ``c / 4`` (at least ``min_critical``): the bucket that is ready last, at the
+       end of backward, can only send its critical blocks after backward, where the step waits for
+       them; a smaller share shortens that wait (skipped when it equals ``c``);
+    5. settled: the fastest of the three by their iterations (the first step of a trial, which waits
+       for no stage 2 of its own share, is not counted), where a smaller share must win by ``MARGIN``:
+       ``auto`` defers nothing where deferring does not pay (the steps are then BSP's) and no more than
+       pays. With ``warmup=2`` and ``probe=2`` it settles at step 10.
 
     Every rank must reach the same numbers, so the measurements are averaged across ranks by the
     caller (``update`` takes them).
     """
 
     HEADROOM = 0.8  # share of the backward window stage 1 may fill
-    MARGIN = 0.03  # deferring must make iterations at least this much faster than BSP to be kept
+    MARGIN = 0.03  # a smaller critical share must make iterations at least this much faster to be kept
     MIN_SAMPLE = 0.25  # a stage 1 moving less than this share of the bytes is too small to time
+    TRIALS = ("bsp", "model", "small")
 
-    def __init__(self, critical, min_critical: float, warmup: int = 2, probe: int = 3):
+    def __init__(self, critical, min_critical: float, warmup: int = 2, probe: int = 2):
         self.critical, self.min_critical, self.warmup, self.probe = critical, min_critical, warmup, probe
         self.steps = 0
         self.bw: Optional[float] = None  # bytes / s, from the warmup
-        self.compute: Optional[float] = None  # s between steps, from the warmup
         self.backward: List[float] = []  # s: the backward windows of phase 2
-        self.iterations = {"bsp": [], "osp": []}  # s: iterations of phases 2 and 3
-        self.model: Optional[float] = None  # the modelled share of phase 3
+        self.shares = {"bsp": 1.0}  # the share each trial ran
+        self.iterations = {k: [] for k in self.TRIALS}  # s: the counted iterations of each trial
+        self._ran: List[Optional[str]] = []  # per step: the trial it counts for (None: not counted)
+        self._in_phase = 0  # steps run in the current phase
+        self.model: Optional[float] = None  # the modelled share
         self.phase = "warmup" if critical == "auto" else "fixed"
         self.fraction = 1.0 if critical == "auto" else float(critical)
 
     def count(self, nblocks: int) -> int:
-        frac = self.fraction if self.phase in ("fixed", "osp", "settled") else 1.0
+        frac = 1.0 if self.phase in ("warmup", "bsp") else self.fraction
         if self.phase == "fixed" or frac < 1.0:
             frac = max(frac, self.min_critical)
         return min(nblocks, max(math.ceil(frac * nblocks), math.ceil(self.min_critical * nblocks)))
@@ -85,36 +92,42 @@ class Budget:
         """Feed one step's measurements (already identical on every rank): a bandwidth sample (0: none),
         the compute before this step, this step's backward window and the previous iteration's time."""
         self.steps += 1
-        if self.critical != "auto":
+        if self.critical != "auto" or self.phase == "settled":
             return
-        s, w, p = self.steps, self.warmup, self.probe
         if bandwidth > 0:  # a warmup step's, a step late: the last one's is kept (the first may
             self.bw = bandwidth  # include connection setup)
+        # the iteration of the step before arrives with this one: count it for the trial it ran in
+        if len(self._ran) >= 1 and self._ran[-1] is not None and iteration > 0:
+            self.iterations[self._ran[-1]].append(iteration)
+        # this step counts for its trial, unless it is a deferring trial's first (it waited for no
+        # stage 2 of its own share) or the step after the trials
+        self._in_phase += 1
+        counted = self.phase in self.TRIALS and not (self.phase != "bsp" and self._in_phase == 1)
+        self._ran.append(self.phase if counted else None)
+        done = self._in_phase
         if self.phase == "warmup":
-            if compute > 0:
-                self.compute = compute
-            if s >= w:
-                self.phase = "bsp"
+            if self.steps >= self.warmup:
+                self._enter("bsp")
             return
-        # iteration() of step s-1 arrives with step s
         if self.phase == "bsp":
             if backward > 0:
                 self.backward.append(backward)
-            if s > w + 1:
-                self.iterations["bsp"].append(iteration)
-            if s == w + p:
+            if done >= self.probe:
                 self._model(bytes_total)
             return
-        if self.phase == "osp":
-            if s == w + p + 1:
-                self.iterations["bsp"].append(iteration)  # the last one of phase 2
-            elif s > w + p + 2:  # phase 3's first step waits for no stage 2: not typical
-                self.iterations["osp"].append(iteration)
-            if s == w + 2 * p + 1:
-                osp_s = statistics.median(self.iterations["osp"])
-                bsp_s = statistics.median(self.iterations["bsp"])
-                self.fraction = self.model if osp_s < (1.0 - self.MARGIN) * bsp_s else 1.0
-                self.phase = "settled"
+        if self.phase == "model" and done >= self.probe:
+            small = max(self.min_critical, self.model / 4)
+            if small < self.model:
+                self.shares["small"] = self.fraction = small
+                self._enter("small")
+                return
+            self._enter("deciding")
+            return
+        if self.phase == "small" and done >= self.probe:
+            self._enter("deciding")
+            return
+        if self.phase == "deciding":  # the last trial step's iteration just arrived
+            self._settle()
 
     def _model(self, bytes_total: float) -> None:
         allreduce = bytes_total / self.bw if self.bw else 0.0
@@ -124,17 +137,31 @@ class Budget:
         if self.model >= 1.0:
             self.fraction, self.phase = 1.0, "settled"
         else:
-            self.fraction, self.phase = self.model, "osp"
+            self.shares["model"] = self.fraction = self.model
+            self._enter("model")
+
+    def _enter(self, phase: str) -> None:
+        self.phase, self._in_phase = phase, 0
+
+    def _settle(self) -> None:
+        """The largest share whose iterations no smaller share beats by ``MARGIN``."""
+        med = {k: statistics.median(v) for k, v in self.iterations.items() if v and k in self.shares}
+        best = "bsp"
+        for k in ("model", "small"):  # ever smaller shares
+            if k in med and med[k] < (1.0 - self.MARGIN) * med[best]:
+                best = k
+        self.fraction, self.phase = self.shares[best], "settled"
 
     def state_dict(self):
-        return {"steps": self.steps, "bw": self.bw, "compute": self.compute, "fraction": self.fraction,
-                "phase": self.phase, "model": self.model, "backward": list(self.backward),
-                "iterations": {k: list(v) for k, v in self.iterations.items()}}
+        return {"steps": self.steps, "bw": self.bw, "fraction": self.fraction, "phase": self.phase,
+                "model": self.model, "backward": list(self.backward), "shares": dict(self.shares),
+                "iterations": {k: list(v) for k, v in self.iterations.items()}, "ran": list(self._ran),
+                "in_phase": self._in_phase}
 
     def load_state_dict(self, d):
-        if "phase" not in d:  # saved by an osp before the phases: measure again
+        if "shares" not in d:  # saved by an osp before these phases: measure again
             return
-        self.steps, self.bw, self.compute, self.fraction = d["steps"], d["bw"], d["compute"], d["fraction"]
-        self.phase, self.model = d["phase"], d["model"]
-        self.backward = list(d["backward"])
+        self.steps, self.bw, self.fraction, self.phase = d["steps"], d["bw"], d["fraction"], d["phase"]
+        self.model, self.backward, self.shares = d["model"], list(d["backward"]), dict(d["shares"])
         self.iterations = {k: list(v) for k, v in d["iterations"].items()}
+        self._ran, self._in_phase = list(d["ran"]), d["in_phase"]

@@ -84,7 +84,7 @@ def main():
     for batch in map(int, args.batches.split(",")):
         base = None
         for name, sync in modes().items():
-            step, compute = measure(sync, batch, args.steps)
+            step, compute, _ = measure(sync, batch, args.steps)
             base = step if name == "BSP" else base
             rows.append({"batch": batch, "mode": name, "step_ms": 1e3 * step, "compute_ms": 1e3 * compute,
                          "own_ms": 1e3 * (step - base), "own_share": (step - base) / compute})

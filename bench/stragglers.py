@@ -80,11 +80,10 @@ def main(argv=None):
     seeds = [int(s) for s in a.seeds.split(",")]
     methods = ["bsp"] + [m for m in a.methods.split(",") if m != "bsp"]
     if a.report:
-        with open(a.report) as fh:
-            saved = json.load(fh)
-        for key, value in saved["config"].items():
-            if key not in ("report", "json", "plot"):
-                setattr(a, key, value)
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        from bench.saved import load_saved
+
+        saved = load_saved(a, a.report)
         factors = [float(f) for f in a.factors.split(",")]
         seeds = [int(s) for s in a.seeds.split(",")]
         methods = ["bsp"] + [m for m in a.methods.split(",") if m != "bsp"]

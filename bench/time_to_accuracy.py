@@ -249,11 +249,10 @@ def main(argv=None):
     ap.add_argument("--report", default=None, metavar="JSON", help="only print the tables of a saved run")
     a = ap.parse_args(argv)
     if a.report:
-        with open(a.report) as fh:
-            saved = json.load(fh)
-        for key, value in saved["config"].items():
-            if key not in ("report", "json", "plot"):
-                setattr(a, key, value)
+        sys.path.insert(0, ROOT)
+        from bench.saved import load_saved
+
+        saved = load_saved(a, a.report)
         contenders = ["bsp"] + [c for c in a.contenders.split(",") if c != "bsp"]
         seeds = [int(s) for s in a.seeds.split(",")]
         print(tables(summarize(saved["runs"], contenders, seeds), a))

@@ -27,6 +27,8 @@ import subprocess
 import sys
 import tempfile
 
+from osp.report import time_to  # the first epoch's wall time at a target accuracy
+
 METHODS = {"hsp": ["--sync", "hsp"], "bsp": ["--sync", "bsp"], "osp": ["--sync", "osp", "--critical", "auto"],
            "ddp": ["--sync", "ddp"]}
 
@@ -50,14 +52,6 @@ def run(method, factor, seed, a, out, target=None):
 def target_of(bsp):
     """BSP's final test accuracy: the mean of its last 3 epochs (one epoch's figure is noisy)."""
     return statistics.mean(e["test_acc"] for e in bsp["epochs"][-3:])
-
-
-def time_to(result, target):
-    """Training wall time at the end of the first epoch reaching ``target`` test accuracy (None: never)."""
-    for e in result["epochs"]:
-        if e["test_acc"] >= target - 1e-9:
-            return e["wall_s"]
-    return None
 
 
 def main(argv=None):

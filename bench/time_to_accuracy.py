@@ -32,6 +32,8 @@ import tempfile
 import threading
 import time
 
+from osp.report import time_to  # the first epoch's wall time at a target accuracy
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # contender -> (osp.train options, engine)
 CONTENDERS = {
@@ -120,14 +122,6 @@ def short(error: str) -> str:
     head, _, log = error.partition(": ")
     last = [ln for ln in log.splitlines() if ln.strip()][-1:] if log else []
     return f"{head}: {last[0].strip()}"[:200] if last else error.splitlines()[0][:200]
-
-
-def time_to(run: dict, target: float):
-    """Training wall time at the end of the first epoch reaching ``target`` (None: never)."""
-    for e in run.get("epochs", []):
-        if e["test_acc"] >= target - 1e-9:
-            return e["wall_s"]
-    return None
 
 
 def summarize(runs: dict, contenders: list, seeds: list) -> dict:

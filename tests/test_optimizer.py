@@ -343,7 +343,7 @@ def _feed_budget(iterations, bw: float, backward: float = 0.05, nbytes: float = 
     for step in range(1, 17):
         shares.append(round(b.count(1000) / 1000, 2))
         # a bandwidth sample arrives a step late, from the warmup steps only
-        b.update(nbytes, bw if step in (2, 3) else 0.0, 0.1, backward, iterations[ran[-1]] if ran else 0.0)
+        b.update(nbytes, bw if step in (2, 3) else 0.0, backward, iterations[ran[-1]] if ran else 0.0)
         ran.append(shares[-1])
     return b, shares
 

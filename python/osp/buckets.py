@@ -2,9 +2,9 @@
 
 A bucket is a run of consecutive parameters of one flat group, in reverse order (as backward produces
 them), closed once it holds ``bucket_mb`` MiB (the first one 1 MiB, as DDP's): a contiguous slice of
-the flat gradient. When every parameter of a
-bucket has had its last backward pass of the step, the bucket's slice is averaged asynchronously.
-Buckets start strictly in order, so every rank issues the same collectives in the same order.
+the flat gradient. When every parameter of a bucket has had its last backward pass of the step, the
+bucket's slice is averaged asynchronously. Buckets start strictly in order, so every rank issues the
+same collectives in the same order.
 """
 from __future__ import annotations
 

@@ -59,7 +59,7 @@ class Budget:
         self.backward: List[float] = []  # s: the backward windows of phase 2
         self.shares = {"bsp": 1.0}  # the share each trial ran
         self.iterations = {k: [] for k in self.TRIALS}  # s: the counted iterations of each trial
-        self._ran: List[Optional[str]] = []  # per step: the trial it counts for (None: not counted)
+        self._counts_for: Optional[str] = None  # the trial the last step counts for (None: not counted)
         self._in_phase = 0  # steps run in the current phase
         self.model: Optional[float] = None  # the modelled share
         self.phase = "warmup" if critical == "auto" else "fixed"
@@ -87,23 +87,22 @@ class Budget:
             return nbytes / seconds
         return 0.0
 
-    def update(self, bytes_total: float, bandwidth: float, compute: float, backward: float,
-               iteration: float) -> None:
+    def update(self, bytes_total: float, bandwidth: float, backward: float, iteration: float) -> None:
         """Feed one step's measurements (already identical on every rank): a bandwidth sample (0: none),
-        the compute before this step, this step's backward window and the previous iteration's time."""
+        this step's backward window and the previous iteration's time."""
         self.steps += 1
         if self.critical != "auto" or self.phase == "settled":
             return
         if bandwidth > 0:  # a warmup step's, a step late: the last one's is kept (the first may
             self.bw = bandwidth  # include connection setup)
         # the iteration of the step before arrives with this one: count it for the trial it ran in
-        if len(self._ran) >= 1 and self._ran[-1] is not None and iteration > 0:
-            self.iterations[self._ran[-1]].append(iteration)
+        if self._counts_for is not None and iteration > 0:
+            self.iterations[self._counts_for].append(iteration)
         # this step counts for its trial, unless it is a deferring trial's first (it waited for no
         # stage 2 of its own share) or the step after the trials
         self._in_phase += 1
         counted = self.phase in self.TRIALS and not (self.phase != "bsp" and self._in_phase == 1)
-        self._ran.append(self.phase if counted else None)
+        self._counts_for = self.phase if counted else None
         done = self._in_phase
         if self.phase == "warmup":
             if self.steps >= self.warmup:
@@ -155,8 +154,8 @@ class Budget:
     def state_dict(self):
         return {"steps": self.steps, "bw": self.bw, "fraction": self.fraction, "phase": self.phase,
                 "model": self.model, "backward": list(self.backward), "shares": dict(self.shares),
-                "iterations": {k: list(v) for k, v in self.iterations.items()}, "ran": list(self._ran),
-                "in_phase": self._in_phase}
+                "iterations": {k: list(v) for k, v in self.iterations.items()},
+                "counts_for": self._counts_for, "in_phase": self._in_phase}
 
     def load_state_dict(self, d):
         if "shares" not in d:  # saved by an osp before these phases: measure again
@@ -164,4 +163,4 @@ class Budget:
         self.steps, self.bw, self.fraction, self.phase = d["steps"], d["bw"], d["fraction"], d["phase"]
         self.model, self.backward, self.shares = d["model"], list(d["backward"]), dict(d["shares"])
         self.iterations = {k: list(v) for k, v in d["iterations"].items()}
-        self._ran, self._in_phase = list(d["ran"]), d["in_phase"]
+        self._counts_for, self._in_phase = d["counts_for"], d["in_phase"]

@@ -151,7 +151,6 @@ class OSPMode(Mode):
         self._t_ready: Optional[float] = None  # when this step's first gradient was ready
         self._backward_s = 0.0
         self._t_ends: List[float] = []  # when the last two steps returned
-        self._last_wait = 0.0
         self._held = False  # a sparse gradient came: nothing starts in backward until step() raises
         self._bw_sample = 0.0  # this rank's bandwidth sample of the last step, for the next side channel
         # per bucket, its parameters' gradient aliases: to tell whether one changed after packing
@@ -192,7 +191,7 @@ class OSPMode(Mode):
         scores, every block is critical, unless none is to be). Each bucket gets its own quota, so
         every count is known on the host without a device sync. With ``critical=0.0`` every step, the
         first too, defers everything (``DSync(delay=1)``)."""
-        dev = self._none[0].device
+        dev = self.ctx.device
         counts = [self.budget.count(b1 - b0) for _, b0, b1 in self._geo]
         mask = torch.ones(self.nblocks, dtype=torch.bool, device=dev)
         if self.scores is None:
@@ -243,10 +242,10 @@ class OSPMode(Mode):
         fg = self.ctx.groups[gi]
         return self._ws[id(fg)]("crit", self._plan.ncrit[gi] * fg.block_size)
 
-    def _deferred(self, gi: int, which: Optional[int] = None) -> torch.Tensor:
+    def _deferred(self, gi: int) -> torch.Tensor:
         fg = self.ctx.groups[gi]
         n = (fg.nblocks - self._plan.ncrit[gi]) * fg.block_size
-        return self._ws[id(fg)](f"deferred{self._cur if which is None else which}", n)
+        return self._ws[id(fg)](f"deferred{self._cur}", n)
 
     def _start(self, b: int) -> Optional[Handle]:
         """Bucket ``b``'s gradients are gathered: pack its blocks and start averaging the critical ones."""
@@ -308,6 +307,8 @@ class OSPMode(Mode):
             return self._bsp_step(inp)
         ctx = self.ctx
         plan = self._plan_now()
+        crits = [self._crit(gi) for gi in range(len(ctx.groups))]
+        deferreds = [self._deferred(gi) for gi in range(len(ctx.groups))]  # before _cur flips
         stale = inp.grads_changed or self._stale()
         try:
             for fg in ctx.groups:
@@ -326,17 +327,17 @@ class OSPMode(Mode):
         handles = list(self.buckets.launch(force=True))  # at step() while "auto" times the network
         t_launch = t1 if not self.budget.in_backward else None
         packed_now = False
-        deferring = any(fg.nblocks > n for fg, n in zip(ctx.groups, plan.ncrit))
+        deferring = any(d.numel() for d in deferreds)
         clip = inp.max_norm is not None
         iteration = self._t_ends[-1] - self._t_ends[-2] if len(self._t_ends) == 2 else 0.0
         for attempt in range(2):
             if not packed_now:  # packed from the gradients as backward left them: unscale here
-                ctx.scale_grads(inp.unscale, [self._deferred(gi) for gi in range(len(ctx.groups))])
+                ctx.scale_grads(inp.unscale, deferreds)
             sidechannel.encode(
                 self._side, ctx.nonfinite(), self._checksum(plan.mask),
-                bandwidth=self._bw_sample, compute=inp.compute_s, wait=wait_s, edited=edited, stale=stale,
-                deferred_sq=ctx.sq_norm([self._deferred(gi) for gi in range(len(ctx.groups))])
-                if clip and deferring else 0.0, backward=self._backward_s, iteration=iteration)
+                bandwidth=self._bw_sample, wait=wait_s, edited=edited, stale=stale,
+                deferred_sq=ctx.sq_norm(deferreds) if clip and deferring else 0.0, backward=self._backward_s,
+                iteration=iteration)
             ctx.presence(self._side[len(sidechannel.FIELDS):])
             self._side_own.copy_(self._side)
             side_h = ctx.comm.allreduce_sum_async_(self._side, f"{ctx.prefix}.side")
@@ -355,17 +356,16 @@ class OSPMode(Mode):
             raise edited_error("OSP")
         # stage 2: the deferred blocks, averaged behind the next forward and backward
         absent = ctx.absent_everywhere(side.presence)
-        launch2 = [] if side.nonfinite else [
-            gi for gi, fg in enumerate(ctx.groups) if fg.nblocks > plan.ncrit[gi] or (clip and deferring)]
+        launch2 = [] if side.nonfinite else [gi for gi, d in enumerate(deferreds) if d.numel() or (clip and deferring)]
         # a sum, divided when it lands: Horovod never fuses it with stage 1's averages (their scale
         # factors differ), which start from the backward hooks while it runs; a fusion would make the
         # reduction order, hence the rounding, depend on timing
-        h2 = {gi: ctx.comm.allreduce_sum_async_(self._deferred(gi), f"{ctx.prefix}.s2.{gi}")
-              for gi in launch2 if ctx.groups[gi].nblocks > plan.ncrit[gi]}
+        h2 = {gi: ctx.comm.allreduce_sum_async_(deferreds[gi], f"{ctx.prefix}.s2.{gi}")
+              for gi in launch2 if deferreds[gi].numel()}
         self.buckets.wait(handles, ctx.timeout, "stage-1 allreduce")
         t2 = time.perf_counter()
         stage1 = t2 - t1
-        b1 = sum(n * fg.block_size * fg.param.element_size() for fg, n in zip(ctx.groups, plan.ncrit))
+        b1 = sum(c.numel() * c.element_size() for c in crits)
         b2 = ctx.nbytes - b1
         self._bw_sample = self.budget.stage1_sample(b1, t2 - t_launch, ctx.nbytes) if t_launch else 0.0
         self.buckets.reset()
@@ -376,10 +376,10 @@ class OSPMode(Mode):
             rec.update(critical_fraction=0.0, bytes_stage1=b1, bytes_stage2=0, skipped=True, overflow=True)
             self._end_step()
             return rec
-        self.budget.update(ctx.nbytes, side.bandwidth, side.compute, side.backward, side.iteration)
+        self.budget.update(ctx.nbytes, side.bandwidth, side.backward, side.iteration)
         scoring = self.budget.needs_scores or self.scores is not None and deferring
-        for gi, fg in enumerate(ctx.groups):
-            crit, mask = self._crit(gi), self._group_mask(gi)
+        for gi, (fg, crit) in enumerate(zip(ctx.groups, crits)):
+            mask = self._group_mask(gi)
             if not packed_now:
                 ctx.scale_grads(inp.unscale, [crit])
             ops.merge_blocks(crit, None, mask, fg.block_size, fg.grad)
@@ -387,7 +387,7 @@ class OSPMode(Mode):
                 self._set_scores(crit, fg, mask, self._group_lo[gi])
         coef = None
         if clip:
-            crit_sq = ctx.sq_norm([self._crit(gi) for gi in range(len(ctx.groups))])
+            crit_sq = ctx.sq_norm(crits)
             # the provisional factor: the deferred part of the norm is estimated by the mean of the
             # ranks' own deferred norms; the exact factor is applied when stage 2 lands
             coef = ctx.clip_coef(inp.max_norm, crit_sq + side.deferred_sq)
@@ -401,9 +401,9 @@ class OSPMode(Mode):
                 snap = self.corrector.snapshot(fg, self._none[gi], fg.padded, hyper(group))
                 full = self._ws[id(fg)]("full").copy_(fg.grad)
             else:
-                snap, full = self.corrector.snapshot(fg, mask, self._deferred(gi).numel(), hyper(group)), None
+                snap, full = self.corrector.snapshot(fg, mask, deferreds[gi].numel(), hyper(group)), None
             self._pending.append(_Deferred(snap=snap, lo=self._group_lo[gi], handle=h2.get(gi),
-                                           avg=self._deferred(gi), mask=mask, absent=absent[gi], full=full))
+                                           avg=deferreds[gi], mask=mask, absent=absent[gi], full=full))
         if launch2:
             self._cur ^= 1  # the next backward packs into the other stage-2 buffer
         # LGP: the local update with the provisional gradient (averaged on critical blocks, this
@@ -422,12 +422,8 @@ class OSPMode(Mode):
 
     def _bsp_step(self, inp: StepInput) -> dict:
         """A step handed to BSP; the last stage 2 (from before the handover) is finished first."""
-        wait_s = 0.0
-        if self._pending:
-            self.flush()  # calls on_synced
-            wait_s = self._last_wait
-        else:
-            self.ctx.on_synced()  # where OSP's own steps call it: replicas equal, before the update
+        # calls on_synced where OSP's own steps do: replicas equal, before the update
+        wait_s = self._flush()
         rec = self._bsp.step(inp)
         rec["stage2_wait_s"] = wait_s
         self._steps += 1
@@ -478,15 +474,19 @@ class OSPMode(Mode):
             self._set_scores(d.avg, d.snap.fg, ~d.mask, d.lo)
         self._pending = []
         self._clip = None
-        self._last_wait = wait
         return wait
 
     def flush(self):
+        self._flush()
+
+    def _flush(self) -> float:
+        """Finish stage 2 exactly (an edit since the last step raises on every rank); returns the wait."""
         edited = self._probe.edited(self._deferred_masks()) if self._pending else None
-        self._finish_deferred()
+        wait = self._finish_deferred()
         if self.ctx.any_edited(edited, "osp"):
             raise edited_error("OSP")
         self.ctx.on_synced()
+        return wait
 
     # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self):

@@ -382,6 +382,44 @@ def test_auto_stays_bsp_where_the_allreduce_hides_in_backward():
     assert not b.iterations["model"] and not b.iterations["small"]
 
 
+@pytest.mark.parametrize("critical", [0.25, 0.9])
+def test_bucket_ready_last_sends_only_the_floor_in_stage_1(one_rank, critical):
+    """The bucket whose gradients are ready last (the first layer's, at the very end of backward) keeps
+    only ``min_critical`` of its blocks critical; the rest of its quota goes to the buckets ready earlier
+    (where they have room), so the step's critical total is what the share gives every bucket alike."""
+    import math
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 48),
+                                torch.nn.Tanh(), torch.nn.Linear(48, 5))
+    # a bucket per parameter (each holds more than the cap), the last one ready being the first weight
+    opt = osp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                   sync=osp.OSP(critical=critical, min_critical=0.1, block_size=16,
+                                                bucket_mb=1e-5))
+    g = torch.Generator().manual_seed(1)
+    for step in range(3):
+        x, y = torch.randn(8, 16, generator=g), torch.randint(0, 5, (8,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        plan, geo = opt.mode._plan, opt.mode._geo  # the split backward packed by
+        opt.step()
+        sizes = [b1 - b0 for _, b0, b1 in geo]
+        assert len(sizes) == 6 and geo[-1][1] == 0, geo  # the first weight's blocks, ready last
+        uniform = [min(n, math.ceil(critical * n)) for n in sizes]
+        floor = math.ceil(0.1 * sizes[-1])
+        if step == 0:  # no scores yet: every block critical
+            assert plan.counts == sizes
+            continue
+        assert sum(plan.counts) == sum(uniform), (plan.counts, uniform)
+        assert all(0 <= k <= n for k, n in zip(plan.counts, sizes)), plan.counts
+        room = sum(n - u for n, u in zip(sizes[:-1], uniform[:-1]))
+        assert plan.counts[-1] == floor + max(0, uniform[-1] - floor - room), (plan.counts, sizes)
+        # the mask the blocks were packed by agrees, and so does what stage 1 moved
+        assert int(plan.mask[:sizes[-1]].sum()) == plan.counts[-1]
+        assert opt.stats()["history"][-1]["bytes_stage1"] == sum(plan.counts) * 16 * 4
+    opt.flush()
+
+
 def test_critical_zero_defers_everything(one_rank):
     model = tiny_model()
     opt = osp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),

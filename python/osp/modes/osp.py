@@ -1,6 +1,7 @@
 """OSP: two-stage synchronization with exact local-gradient correction (DESIGN.md, "OSP")."""
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional
@@ -192,7 +193,7 @@ class OSPMode(Mode):
         every count is known on the host without a device sync. With ``critical=0.0`` every step, the
         first too, defers everything (``DSync(delay=1)``)."""
         dev = self.ctx.device
-        counts = [self.budget.count(b1 - b0) for _, b0, b1 in self._geo]
+        counts = self._quotas()
         mask = torch.ones(self.nblocks, dtype=torch.bool, device=dev)
         if self.scores is None:
             if not any(counts):
@@ -213,6 +214,31 @@ class OSPMode(Mode):
             ncrit[gi] += counts[b]
             ndef[gi] += b1 - b0 - counts[b]
         return _Plan(mask=mask, counts=counts, crit_at=crit_at, deferred_at=deferred_at, ncrit=ncrit)
+
+    def _quotas(self) -> List[int]:
+        """Critical blocks per bucket. The bucket ready last (the first layers, at the very end of
+        backward) can only send its critical blocks after backward, where the step waits for them: it
+        keeps only the ``min_critical`` floor, and the blocks it gives up go to the buckets ready
+        earlier (by size, those ready first first), whose averages run while backward still computes.
+        The total is what the budget's share gives every bucket alike."""
+        sizes = [b1 - b0 for _, b0, b1 in self._geo]
+        counts = [self.budget.count(n) for n in sizes]
+        if len(sizes) < 2 or not sum(sizes[:-1]):
+            return counts
+        last = len(sizes) - 1
+        floor = min(counts[last], math.ceil(self.options.min_critical * sizes[last]))
+        extra = given = counts[last] - floor
+        counts[last] = floor
+        earlier = sum(sizes[:last])
+        for rounding in (True, False):  # by size, then whatever rounding left over
+            for b in range(last):
+                if extra <= 0:
+                    break
+                add = min(sizes[b] - counts[b], extra, -(-given * sizes[b] // earlier) if rounding else extra)
+                counts[b] += add
+                extra -= add
+        counts[last] += extra  # no room ready earlier: it stays with the last bucket
+        return counts
 
     def _plan_now(self) -> _Plan:
         if self._plan is None:
@@ -321,8 +347,9 @@ class OSPMode(Mode):
         # parameters changed since the last step where a correction is pending: refused on every rank
         # (after the corrections, so the ranks stay equal), as the correction overwrites such a change
         edited = self._probe.edited(self._deferred_masks())
-        wait_s = self._finish_deferred()
-        ctx.on_synced()
+        # the last stage 2 has landed before the side channel starts (a sum too: Horovod must not fuse
+        # them); its exact update runs while the side channel and the last buckets' stage 1 are in flight
+        wait_s = self._wait_deferred()
         t1 = time.perf_counter()
         handles = list(self.buckets.launch(force=True))  # at step() while "auto" times the network
         t_launch = t1 if not self.budget.in_backward else None
@@ -335,12 +362,17 @@ class OSPMode(Mode):
                 ctx.scale_grads(inp.unscale, deferreds)
             sidechannel.encode(
                 self._side, ctx.nonfinite(), self._checksum(plan.mask),
-                bandwidth=self._bw_sample, wait=wait_s, edited=edited, stale=stale,
+                bandwidth=self._bw_sample, edited=edited, stale=stale,
                 deferred_sq=ctx.sq_norm(deferreds) if clip and deferring else 0.0, backward=self._backward_s,
                 iteration=iteration)
             ctx.presence(self._side[len(sidechannel.FIELDS):])
             self._side_own.copy_(self._side)
             side_h = ctx.comm.allreduce_sum_async_(self._side, f"{ctx.prefix}.side")
+            if not attempt:
+                t0 = time.perf_counter()
+                self._correct_deferred()
+                ctx.on_synced()
+                t1 += time.perf_counter() - t0  # stage1_s: the step's time on stage 1, not on corrections
             ctx.comm.wait(side_h, ctx.timeout, "stage-1 allreduce")
             side = sidechannel.decode(self._side, self._side_own, ctx.comm.size, self._steps + 1)
             if not side.stale or attempt:
@@ -448,15 +480,25 @@ class OSPMode(Mode):
     def _finish_deferred(self) -> float:
         """Wait for the previous step's stage 2 and replace the provisional update of its deferred
         blocks by the exact one. Afterwards every rank holds bitwise the same parameters and state."""
+        wait = self._wait_deferred()
+        self._correct_deferred()
+        return wait
+
+    def _wait_deferred(self) -> float:
+        """Wait for the previous step's stage 2 (the averages land in place); returns the wait."""
         self._probe.clear()
-        if not self._pending:
-            return 0.0
         t0 = time.perf_counter()
         for d in self._pending:
             if d.handle is not None:
                 self.ctx.comm.wait(d.handle, self.ctx.timeout, "stage-2 allreduce")
                 d.avg.div_(self.ctx.comm.size)
-        wait = time.perf_counter() - t0
+                d.handle = None  # landed and divided
+        return time.perf_counter() - t0 if self._pending else 0.0
+
+    def _correct_deferred(self) -> None:
+        """The exact update of the previous step's deferred blocks (their averages landed)."""
+        if not self._pending:
+            return
         items = [(d.snap, d.avg) for d in self._pending]
         if self._clip is not None:  # the exact factor, from the whole averaged gradient's norm
             sq = self._clip.crit_sq + self.ctx.sq_norm([d.avg for d in self._pending])
@@ -474,7 +516,6 @@ class OSPMode(Mode):
             self._set_scores(d.avg, d.snap.fg, ~d.mask, d.lo)
         self._pending = []
         self._clip = None
-        return wait
 
     def flush(self):
         self._flush()

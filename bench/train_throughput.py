@@ -396,6 +396,17 @@ def batches_for(model, a):
     return [DEFAULT_BATCH[model]]
 
 
+def median_run(rs):
+    """The run of median step time among one contender's repeats (the lower middle of an even count);
+    every run's step time is kept in ``step_s_runs``. An error in any run is the row's error."""
+    bad = [r for r in rs if "error" in r]
+    if bad:
+        return bad[0]
+    out = dict(sorted(rs, key=lambda r: r["step_s"])[(len(rs) - 1) // 2])
+    out["step_s_runs"] = [r["step_s"] for r in rs]
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -412,6 +423,8 @@ def main(argv=None):
                     "model: " + ", ".join(f"{m} {b}" for m, b in DEFAULT_BATCH.items()) + ")")
     ap.add_argument("--batches", default=None, help="comma list of per-rank batches: each model runs with each")
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--repeats", type=int, default=1, help="runs of every contender, taking turns; each "
+                    "reports its median run")
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--block-size", type=int, default=65536)
     ap.add_argument("--osp-backend", choices=["torch", "horovod"], default="torch")
@@ -454,16 +467,22 @@ def main(argv=None):
         print(text)
         return 0
     rows, digits, rate = [], [], None
-    runs = [(m, b, r, int(n), c) for m in models for b in batches_for(m, a) for r in a.bandwidths.split(",")
-            for n in a.ranks.split(",") for c in a.contenders.split(",")]
+    # with --repeats, the contenders of a configuration take turns (round-robin), so a slow spell of the
+    # machine hits them alike; each keeps its median run
+    runs = [(m, b, r, int(n), c, k) for m in models for b in batches_for(m, a) for r in a.bandwidths.split(",")
+            for n in a.ranks.split(",") for k in range(a.repeats) for c in a.contenders.split(",")]
     t_start = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
-        for i, (model, batch, rate, ranks, c) in enumerate(runs):
+        tries = {}
+        for i, (model, batch, rate, ranks, c, k) in enumerate(runs):
             r = run_contender(NetEm, rate, ranks, c, a, tmp, model, batch)
-            rows.append(r)
+            tries.setdefault((model, batch, rate, ranks, c), []).append(r)
             msg = r.get("error", "")[:300] or f"{r['samples_per_s']:8.1f} samples/s  step {1e3 * r['step_s']:.0f} ms"
+            if a.repeats > 1:
+                msg += f"  (run {k + 1} of {a.repeats})"
             print(f"[{i + 1}/{len(runs)} {time.monotonic() - t_start:5.0f}s] {model:8s} b{batch:<4d} {rate:>7s} "
                   f"{ranks} ranks {c:9s} {msg}", flush=True)
+        rows = [median_run(rs) for rs in tries.values()]
         add_bounds(rows)
         # accuracy at the bottleneck: the bandwidth where BSP's communication is closest to compute (for
         # the first model of --models)

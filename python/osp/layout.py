@@ -80,7 +80,8 @@ class FlatGroup:
             p.grad = gv
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.grad.zero_()
+        if not set_to_none:  # accumulated into in place; set to None, each is overwritten when gathered
+            self.grad.zero_()
         for p, gv in zip(self.params, self.grad_views):
             p.grad = None if set_to_none else gv
 

@@ -2,6 +2,7 @@
 invariants I1-I4 of DESIGN.md, BSP against Horovod's optimizer, and every bad input of DESIGN.md."""
 import glob
 import json
+import math
 import os
 import time
 
@@ -387,8 +388,6 @@ def test_bucket_ready_last_sends_only_the_floor_in_stage_1(one_rank, critical):
     """The bucket whose gradients are ready last (the first layer's, at the very end of backward) keeps
     only ``min_critical`` of its blocks critical; the rest of its quota goes to the buckets ready earlier
     (where they have room), so the step's critical total is what the share gives every bucket alike."""
-    import math
-
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 48),
                                 torch.nn.Tanh(), torch.nn.Linear(48, 5))

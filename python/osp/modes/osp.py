@@ -477,13 +477,6 @@ class OSPMode(Mode):
             out.append(None if m is None else torch.ones_like(m) if self._clip is not None else ~m)
         return out
 
-    def _finish_deferred(self) -> float:
-        """Wait for the previous step's stage 2 and replace the provisional update of its deferred
-        blocks by the exact one. Afterwards every rank holds bitwise the same parameters and state."""
-        wait = self._wait_deferred()
-        self._correct_deferred()
-        return wait
-
     def _wait_deferred(self) -> float:
         """Wait for the previous step's stage 2 (the averages land in place); returns the wait."""
         self._probe.clear()
@@ -496,7 +489,8 @@ class OSPMode(Mode):
         return time.perf_counter() - t0 if self._pending else 0.0
 
     def _correct_deferred(self) -> None:
-        """The exact update of the previous step's deferred blocks (their averages landed)."""
+        """Replace the provisional update of the previous step's deferred blocks (their averages
+        landed) by the exact one. Afterwards every rank holds bitwise the same parameters and state."""
         if not self._pending:
             return
         items = [(d.snap, d.avg) for d in self._pending]
@@ -523,7 +517,8 @@ class OSPMode(Mode):
     def _flush(self) -> float:
         """Finish stage 2 exactly (an edit since the last step raises on every rank); returns the wait."""
         edited = self._probe.edited(self._deferred_masks()) if self._pending else None
-        wait = self._finish_deferred()
+        wait = self._wait_deferred()
+        self._correct_deferred()
         if self.ctx.any_edited(edited, "osp"):
             raise edited_error("OSP")
         self.ctx.on_synced()

@@ -49,7 +49,8 @@ TARGET_RULE = "mean over seeds of BSP's final test accuracy (last epoch)"
 def train_argv(contender: str, seed: int, a, out: str, progress: bool = False) -> list:
     opts, engine = CONTENDERS[contender]
     return [sys.executable, "-m", "osp.train", *opts, "--backend", engine, "--epochs", str(a.epochs),
-            "--batch-size", str(a.batch_size), "--lr", str(a.lr), "--width", str(a.width),
+            "--batch-size", str(a.batch_size), "--lr", str(a.lr), "--model", a.model, "--eval-every", str(a.eval_every),
+            "--width", str(a.width),
             "--channels", str(a.channels), "--seed", str(seed), "--json", out] + ([] if progress else ["--no-progress"])
 
 
@@ -117,6 +118,12 @@ def run_one(NetEm, contender: str, seed: int, a, tmp: str, emit=None) -> dict:
         return json.load(fh)
 
 
+def model_name(a) -> str:
+    if getattr(a, "model", "cnn") == "mlp":
+        return f"DigitsMLP width {a.width}"
+    return f"DigitsCNN width {a.width} channels {a.channels}"
+
+
 def short(error: str) -> str:
     """A run's error in one line: the exit codes and the log's last line (the exception, usually)."""
     head, _, log = error.partition(": ")
@@ -164,9 +171,10 @@ def summarize(runs: dict, contenders: list, seeds: list) -> dict:
 def tables(summary: dict, a) -> str:
     if summary["target"] is None:
         return "no BSP run finished: no target accuracy, no table"
-    head = (f"{a.ranks} ranks behind {a.rate} links; DigitsCNN width {a.width} channels {a.channels}"
+    head = (f"{a.ranks} ranks behind {a.rate} links; {model_name(a)}"
             f"{' (' + str(a.params) + ' parameters)' if getattr(a, 'params', None) else ''}, SGD momentum 0.9, "
-            f"lr {a.lr}, batch {a.batch_size} per rank, {a.epochs} epochs, seeds {a.seeds}.\n"
+            f"lr {a.lr}, batch {a.batch_size} per rank, {a.epochs} epochs (evaluated every "
+            f"{getattr(a, 'eval_every', 1)}), seeds {a.seeds}.\n"
             f"Target: {100 * summary['target']:.2f}% = {summary['target_rule']}. Times are training wall time "
             f"(evaluation and start-up excluded) at the end of the first epoch reaching it; speedup = BSP's time / "
             f"the contender's.\n")
@@ -232,9 +240,15 @@ def main(argv=None):
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--contenders", default=",".join(CONTENDERS), help=f"of {','.join(CONTENDERS)}")
     ap.add_argument("--epochs", type=int, default=12)
-    ap.add_argument("--width", type=int, default=120, help="DigitsCNN width (120: fc1 512->7680, 4.02M parameters)")
+    ap.add_argument("--model", choices=["cnn", "mlp"], default="cnn", help="cnn: DigitsCNN; mlp: DigitsMLP "
+                    "(osp.train --model)")
+    ap.add_argument("--width", type=int, default=120, help="DigitsCNN width (120: fc1 512->7680, 4.02M parameters); "
+                    "DigitsMLP: hidden layers of 64*width (32: 4.35M parameters)")
     ap.add_argument("--channels", type=int, default=16)
     ap.add_argument("--batch-size", type=int, default=64, help="per rank")
+    ap.add_argument("--eval-every", type=int, default=1, metavar="K", help="evaluate every K epochs (osp.train "
+                    "--eval-every): digits' epoch is a few steps at large batches, and each evaluation waits for "
+                    "the averages in flight")
     ap.add_argument("--lr", type=float, default=0.1)
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--run-timeout", type=float, default=600, help="seconds per run")
@@ -258,10 +272,10 @@ def main(argv=None):
     seeds = [int(s) for s in a.seeds.split(",")]
     sys.path.insert(0, ROOT)
     from bench.netem.netem import NetEm
-    from osp.train import DigitsCNN
+    from osp.train import build_model
 
-    a.params = sum(p.numel() for p in DigitsCNN(a.width, a.channels).parameters())
-    print(f"DigitsCNN width {a.width} channels {a.channels}: {a.params} parameters "
+    a.params = sum(p.numel() for p in build_model(a.model, a.width, a.channels).parameters())
+    print(f"{model_name(a)}: {a.params} parameters "
           f"({4 * a.params / 1e6:.1f} MB of fp32 gradient a step); {a.ranks} ranks behind {a.rate}", flush=True)
     runs, t_start = {}, time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:

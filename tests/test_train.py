@@ -43,6 +43,27 @@ def test_train_hsp_with_a_straggler(tmp_path):
     assert res["final_test_acc"] > 0.88, res["epochs"]  # fewer (larger) steps an epoch than BSP: 10 epochs
 
 
+@pytest.mark.multiproc
+def test_train_mlp_evaluated_every_k_epochs(tmp_path):
+    """--model mlp --eval-every 3: a record only at epochs 3, 6 and the last (7), each counting the steps
+    and samples since the previous one; OSP's averages stay in flight across the skipped epochs' ends,
+    and the replicas end bitwise equal."""
+    out = tmp_path / "m.json"
+    proc = launch.run("spawn", 2, ["-m", "osp.train", "--sync", "osp", "--critical", "0.25", "--model", "mlp",
+                                   "--width", "4", "--epochs", "7", "--eval-every", "3", "--batch-size", "64",
+                                   "--lr", "0.1", "--backend", "torch", "--json", str(out)])
+    launch.check(proc)
+    res = json.loads(out.read_text())
+    width = 64 * 4
+    assert res["config"]["params"] == (64 + 1) * width + (width + 1) * width + (width + 1) * 10
+    steps = 1257 // (64 * 2)  # an epoch's steps on 2 ranks
+    assert [e["epoch"] for e in res["epochs"]] == [3, 6, 7]
+    assert [e["steps"] for e in res["epochs"]] == [3 * steps, 3 * steps, steps]
+    assert [e["samples"] for e in res["epochs"]] == [3 * steps * 128, 6 * steps * 128, 7 * steps * 128]
+    assert len(set(res["replica_digests"])) == 1
+    assert res["final_test_acc"] > 0.9, res["epochs"]
+
+
 def test_train_single_process_and_report(tmp_path):
     out = tmp_path / "bsp.json"
     proc = subprocess.run([sys.executable, "-m", "osp.train", "--sync", "bsp", "--epochs", "2", "--json", str(out)],
@@ -68,6 +89,7 @@ def test_train_rejects_bad_options():
     (["--elastic", "--sync", "hsp"], "--elastic runs --sync bsp, osp or dsync (osp.elastic.State), got --sync hsp"),
     (["--elastic"], "--elastic needs horovodrun (Horovod Elastic); under torchrun use --checkpoint-dir"),
     (["--checkpoint-every", "0"], "--checkpoint-every must be an integer >= 1, got 0"),
+    (["--eval-every", "0"], "--eval-every must be an integer >= 1, got 0"),
 ])
 def test_train_rejects_bad_fault_and_restart_options(argv, message):
     p = subprocess.run([sys.executable, "-m", "osp.train", "--epochs", "1", *argv], capture_output=True, text=True,

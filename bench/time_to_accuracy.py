@@ -1,8 +1,10 @@
-"""Time to accuracy where the network matters: a ~4M-parameter digits CNN on 2 ranks behind an
+"""Time to accuracy where the network matters: a ~4M-parameter digits model on 2 ranks behind an
 emulated 1 Gbit/s link, BSP against DDP, Horovod's optimizer and OSP ``auto``, several seeds.
 
-Every run is ``python -m osp.train`` (DigitsCNN widened: ``--width 120`` makes fc1 512->7680, 4.02M
-parameters, 16 MB of fp32 gradient a step) on 2 ranks, each in its own network namespace with its
+Every run is ``python -m osp.train`` on 2 ranks: by default ``--model mlp --width 32`` (DigitsMLP,
+64-2048-2048-10, 4.35M parameters, 17 MB of fp32 gradient a step) at batch 256 per rank, evaluated
+every 5 epochs; ``--model cnn`` runs DigitsCNN widened (``--width 120`` makes fc1 512->7680, 4.02M
+parameters, 16 MB) at batch 64, evaluated every epoch (DEFAULTS). Each rank runs in its own network namespace with its
 link shaped by tc (``bench.netem.netem.NetEm``, a fresh one per run). ``bsp``, ``osp-auto`` and
 ``ddp`` run on torch.distributed (Gloo, env://), ``hvd`` on Horovod (Gloo controller). All
 contenders get the same epochs, batch per rank, lr and seed; the seeds loop outside the contenders,
@@ -15,6 +17,7 @@ speedup is BSP's mean time to the target over a contender's mean time (over the 
 reached it), and per seed BSP's time over the contender's with the same seed.
 
     python bench/time_to_accuracy.py                         # needs root (namespaces, tc)
+    python bench/time_to_accuracy.py --model cnn --channels 128 --width 15      # the CNN, more compute
     python bench/time_to_accuracy.py --seeds 0 --epochs 2 --contenders bsp,osp-auto   # a smoke run
     python bench/time_to_accuracy.py --report bench/out/time_to_accuracy.json         # re-print
 
@@ -44,6 +47,12 @@ CONTENDERS = {
 }
 COLORS = {"bsp": "tab:blue", "ddp": "tab:gray", "hvd": "tab:orange", "osp-auto": "tab:green"}
 TARGET_RULE = "mean over seeds of BSP's final test accuracy (last epoch)"
+# per model: where compute and the allreduce are within 2x of each other at 1 Gbit/s on 2 ranks (the MLP:
+# ~70 ms against ~140 ms a step, its big layer's gradient ready only at the end of the backward), or as close
+# as digits allows (the CNN: ~25 ms against ~130 ms). Digits' epoch is 2 steps at batch 256 on 2 ranks,
+# and each evaluation first waits for the averages in flight: the MLP is evaluated every 5 epochs
+DEFAULTS = {"mlp": dict(width=32, batch_size=256, epochs=60, eval_every=5),
+            "cnn": dict(width=120, batch_size=64, epochs=12, eval_every=1)}
 
 
 def train_argv(contender: str, seed: int, a, out: str, progress: bool = False) -> list:
@@ -239,14 +248,15 @@ def main(argv=None):
                     "namespaces without shaping")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--contenders", default=",".join(CONTENDERS), help=f"of {','.join(CONTENDERS)}")
-    ap.add_argument("--epochs", type=int, default=12)
-    ap.add_argument("--model", choices=["cnn", "mlp"], default="cnn", help="cnn: DigitsCNN; mlp: DigitsMLP "
-                    "(osp.train --model)")
-    ap.add_argument("--width", type=int, default=120, help="DigitsCNN width (120: fc1 512->7680, 4.02M parameters); "
-                    "DigitsMLP: hidden layers of 64*width (32: 4.35M parameters)")
-    ap.add_argument("--channels", type=int, default=16)
-    ap.add_argument("--batch-size", type=int, default=64, help="per rank")
-    ap.add_argument("--eval-every", type=int, default=1, metavar="K", help="evaluate every K epochs (osp.train "
+    ap.add_argument("--model", choices=sorted(DEFAULTS), default="mlp", help="mlp: DigitsMLP; cnn: DigitsCNN "
+                    "(osp.train --model); each sets the defaults of the next four: " + "; ".join(
+                        f"{m}: " + ", ".join(f"{k} {v}" for k, v in d.items()) for m, d in DEFAULTS.items()))
+    ap.add_argument("--epochs", type=int, default=None)
+    ap.add_argument("--width", type=int, default=None, help="DigitsMLP: hidden layers of 64*width (32: 4.35M "
+                    "parameters); DigitsCNN: fc1 of 64*width (120: 4.02M parameters)")
+    ap.add_argument("--channels", type=int, default=16, help="DigitsCNN's first conv layer")
+    ap.add_argument("--batch-size", type=int, default=None, help="per rank")
+    ap.add_argument("--eval-every", type=int, default=None, metavar="K", help="evaluate every K epochs (osp.train "
                     "--eval-every): digits' epoch is a few steps at large batches, and each evaluation waits for "
                     "the averages in flight")
     ap.add_argument("--lr", type=float, default=0.1)
@@ -260,11 +270,15 @@ def main(argv=None):
         sys.path.insert(0, ROOT)
         from bench.saved import load_saved
 
+        a.model, a.eval_every = "cnn", 1  # what runs saved before either option existed were
         saved = load_saved(a, a.report)
         contenders = ["bsp"] + [c for c in a.contenders.split(",") if c != "bsp"]
         seeds = [int(s) for s in a.seeds.split(",")]
         print(tables(summarize(saved["runs"], contenders, seeds), a))
         return 0
+    for key, value in DEFAULTS[a.model].items():
+        if getattr(a, key) is None:
+            setattr(a, key, value)
     contenders = ["bsp"] + [c for c in a.contenders.split(",") if c != "bsp"]  # BSP sets the target
     unknown = [c for c in contenders if c not in CONTENDERS]
     if unknown:

@@ -1,12 +1,15 @@
 """`make demo`: a first look at osp. BSP, then OSP (``--critical auto``), on 2 ranks, side by side.
 
 Where it can (root, ``ip`` and ``tc`` present, network namespaces can be made), the two ranks run in
-network namespaces whose links are shaped to 1 Gbit/s (bench/netem), training a 4M-parameter digits
-CNN (``osp.train --width 120``: 16 MB of gradient a step, so the network matters); the table shows
-final accuracy, time to BSP's final accuracy and samples/s. Elsewhere it falls back to the small
-default model under ``horovodrun`` on loopback, and says why and what that table can and cannot show.
+network namespaces whose links are shaped to 1 Gbit/s (bench/netem), training a 4.3M-parameter digits
+MLP (``osp.train --model mlp --width 32``: 17 MB of gradient a step, so the network matters) at batch
+256 per rank, where a step computes about half as long as its allreduce takes; the table shows final
+accuracy, time to BSP's final accuracy and samples/s. ``--model cnn`` runs the 4M-parameter digits CNN
+(``--width 120``, batch 64) instead, whose compute is a fifth of its allreduce. Elsewhere it falls back
+to the small default model under ``horovodrun`` on loopback, and says why and what that table can and
+cannot show.
 
-    python scripts/demo.py [--epochs 12] [--rate 1gbit] [--loopback]
+    python scripts/demo.py [--model mlp|cnn] [--epochs N] [--rate 1gbit] [--loopback]
 """
 from __future__ import annotations
 
@@ -47,19 +50,20 @@ def shaped(a) -> int:
     from bench.netem.netem import NetEm
     from bench.time_to_accuracy import run_one, short
     from osp.report import table, time_to
-    from osp.train import DigitsCNN
+    from osp.train import build_model
 
-    params = sum(p.numel() for p in DigitsCNN(a.width, 16).parameters())
+    params = sum(p.numel() for p in build_model(a.model, a.width, 16).parameters())
     say(f"Two ranks, each in its own network namespace, its link shaped to {a.rate} in both directions (tc tbf).\n"
-        f"Model: the digits CNN widened to {params / 1e6:.1f}M parameters ({4 * params / 1e6:.0f} MB of gradient "
-        f"to average every step); SGD momentum 0.9, lr {a.lr}, batch {a.batch_size} per rank, {a.epochs} epochs, "
-        f"seed 0. The same job runs twice: BSP (every gradient averaged before each update), then OSP auto (the "
+        f"Model: the digits {a.model.upper()} widened to {params / 1e6:.1f}M parameters ({4 * params / 1e6:.0f} MB "
+        f"of gradient to average every step); SGD momentum 0.9, lr {a.lr}, batch {a.batch_size} per rank, "
+        f"{a.epochs} epochs (evaluated every {a.eval_every}), seed 0. "
+        f"The same job runs twice: BSP (every gradient averaged before each update), then OSP auto (the "
         f"most important blocks averaged before the update, the rest in the background during the next step, "
         f"then corrected exactly).\n")
     out_dir = os.path.join(RUNS, "demo-netem")
     os.makedirs(out_dir, exist_ok=True)
     cfg = argparse.Namespace(ranks=2, rate=a.rate, epochs=a.epochs, batch_size=a.batch_size, lr=a.lr, width=a.width,
-                             channels=16, run_timeout=600)
+                             channels=16, model=a.model, eval_every=a.eval_every, run_timeout=600)
     results = {}
     for name, title in (("bsp", "BSP"), ("osp-auto", "OSP auto")):
         say(f"== {title} ==")
@@ -136,12 +140,17 @@ def loopback(a, reason: str) -> int:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--epochs", type=int, default=None, help="epochs per run (default: 12 behind the shaped link, "
-                    "osp.train's 15 on loopback)")
+    ap.add_argument("--epochs", type=int, default=None, help="epochs per run (default behind the shaped link: 60 "
+                    "for the MLP, 12 for the CNN; osp.train's 15 on loopback)")
     ap.add_argument("--rate", default="1gbit", help="the shaped link's rate")
-    ap.add_argument("--width", type=int, default=120, help="DigitsCNN width behind the shaped link (120: 4.02M "
-                    "parameters)")
-    ap.add_argument("--batch-size", type=int, default=64, help="per rank, behind the shaped link")
+    ap.add_argument("--model", choices=["cnn", "mlp"], default="mlp", help="behind the shaped link: mlp "
+                    "(DigitsMLP, 4.35M parameters) or cnn (DigitsCNN, 4.02M)")
+    ap.add_argument("--width", type=int, default=None, help="behind the shaped link (default: 32 for the MLP, 120 "
+                    "for the CNN)")
+    ap.add_argument("--batch-size", type=int, default=None, help="per rank, behind the shaped link (default: 256 "
+                    "for the MLP, 64 for the CNN)")
+    ap.add_argument("--eval-every", type=int, default=None, help="evaluate every K epochs behind the shaped link "
+                    "(default: 5 for the MLP, 1 for the CNN)")
     ap.add_argument("--lr", type=float, default=0.1, help="behind the shaped link")
     ap.add_argument("--loopback", action="store_true", help="the loopback demo even where links can be shaped")
     a = ap.parse_args(argv)
@@ -149,8 +158,11 @@ def main(argv=None):
     reason = "asked for with --loopback" if a.loopback else why_no_netem(a.rate)
     if reason is not None:
         return loopback(a, reason)
-    if a.epochs is None:
-        a.epochs = 12
+    from bench.time_to_accuracy import DEFAULTS  # per model: width, batch, epochs, --eval-every
+
+    for key, value in DEFAULTS[a.model].items():
+        if getattr(a, key) is None:
+            setattr(a, key, value)
     return shaped(a)
 
 

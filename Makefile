@@ -68,9 +68,9 @@ bench-stragglers: install
 bench-faults: install
 	$(PY) bench/faults.py
 
-# Time to accuracy behind emulated 1 Gbit/s links (needs root): a 4M-parameter digits CNN on 2 ranks, BSP,
-# DDP, Horovod's optimizer and OSP auto, 3 seeds (about 6 minutes on 2 cores). BENCH_ARGS as for bench,
-# e.g. "--seeds 0 --epochs 2 --contenders bsp,osp-auto" for a smoke run.
+# Time to accuracy behind emulated 1 Gbit/s links (needs root): a 4.3M-parameter digits MLP on 2 ranks, BSP,
+# DDP, Horovod's optimizer and OSP auto, 3 seeds (about 6 minutes on 2 cores; "--model cnn" for the CNN).
+# BENCH_ARGS as for bench, e.g. "--seeds 0 --epochs 2 --contenders bsp,osp-auto" for a smoke run.
 bench-tta: install
 	$(PY) bench/time_to_accuracy.py $(BENCH_ARGS)
 

@@ -27,6 +27,7 @@ PHASES = {
     "osp::split_blocks": "pack / snapshot (split_blocks)",
     "osp::merge_blocks": "merge averaged blocks back (merge_blocks)",
     "osp::sgd_step_": "exact correction (fused SGD kernel)",
+    "osp::sgd_step_into_": "exact correction, written to the flat buffers (fused SGD kernel)",
     "osp::adam_step_": "exact correction (fused Adam kernel)",
     "osp::score_blocks": "block scores and inf/nan scan (score_blocks)",
     "aten::add_": "the update itself (torch.optim.SGD)",

@@ -104,6 +104,19 @@ void sgd_step_cpu(const at::Tensor& param, const at::Tensor& grad,
     cpu::sgd_step(to_dtype(param, "param"), param.data_ptr(), grad.data_ptr(), m, param.numel(), h);
 }
 
+void sgd_step_into_cpu(const at::Tensor& param, const c10::optional<at::Tensor>& momentum_buffer,
+                       const at::Tensor& snap_param, const c10::optional<at::Tensor>& snap_momentum,
+                       const at::Tensor& grad, const at::Tensor& mask, int64_t bs, double lr, double momentum,
+                       double dampening, double weight_decay, bool nesterov, bool maximize, bool first) {
+  const auto m8 = check_sgd_into(param, momentum_buffer, snap_param, snap_momentum, grad, mask, bs, momentum,
+                                 first, side_lengths);
+  const SgdHyper h{lr, momentum, dampening, weight_decay, nesterov, maximize, first};
+  if (param.numel() > 0)
+    cpu::sgd_step_into(to_dtype(param, "param"), param.data_ptr(), momentum != 0.0 ? momentum_buffer->data_ptr()
+                       : nullptr, snap_param.data_ptr(), data_or_null(snap_momentum), grad.data_ptr(),
+                       m8.data_ptr<uint8_t>(), param.numel(), bs, h);
+}
+
 void adam_step_cpu(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                    const at::Tensor& exp_avg_sq, const c10::optional<at::Tensor>& max_exp_avg_sq,
                    double step, double lr, double beta1, double beta2, double eps, double weight_decay,
@@ -124,6 +137,7 @@ TORCH_LIBRARY(osp, m) {
   m.def("split_blocks(Tensor flat, Tensor mask, int block_size, Tensor(a!)? critical, Tensor(b!)? deferred) -> ()");
   m.def("merge_blocks(Tensor? critical, Tensor? deferred, Tensor mask, int block_size, Tensor(a!) flat) -> ()");
   m.def("sgd_step_(Tensor(a!) param, Tensor grad, Tensor(b!)? momentum_buffer, float lr, float momentum, float dampening, float weight_decay, bool nesterov, bool maximize, bool first) -> ()");
+  m.def("sgd_step_into_(Tensor(a!) param, Tensor(b!)? momentum_buffer, Tensor snap_param, Tensor? snap_momentum, Tensor grad, Tensor mask, int block_size, float lr, float momentum, float dampening, float weight_decay, bool nesterov, bool maximize, bool first) -> ()");
   m.def("adam_step_(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, Tensor(d!)? max_exp_avg_sq, float step, float lr, float beta1, float beta2, float eps, float weight_decay, bool amsgrad, bool maximize, bool decoupled) -> ()");
 }
 
@@ -134,6 +148,7 @@ TORCH_LIBRARY_IMPL(osp, CPU, m) {
   m.impl("split_blocks", &split_blocks_cpu);
   m.impl("merge_blocks", &merge_blocks_cpu);
   m.impl("sgd_step_", &sgd_step_cpu);
+  m.impl("sgd_step_into_", &sgd_step_into_cpu);
   m.impl("adam_step_", &adam_step_cpu);
 }
 

@@ -159,6 +159,35 @@ inline void* check_sgd(const at::Tensor& param, const at::Tensor& grad,
   return momentum_buffer->data_ptr();
 }
 
+// sgd_step_into_: the mask (as 0/1 bytes) and the packed inputs; `lengths` gives the deferred blocks'
+// packed length (-1: unchecked here, as on a GPU, where the kernel bounds its reads instead).
+inline at::Tensor check_sgd_into(const at::Tensor& param, const c10::optional<at::Tensor>& momentum_buffer,
+                                 const at::Tensor& snap_param, const c10::optional<at::Tensor>& snap_momentum,
+                                 const at::Tensor& grad, const at::Tensor& mask, int64_t bs, double momentum,
+                                 bool first,
+                                 std::pair<int64_t, int64_t> (*lengths)(const at::Tensor&, int64_t, int64_t)) {
+  check_dense(param, "param");
+  to_dtype(param, "param");
+  check_block_size(bs);
+  auto m8 = as_mask(mask, param, bs);
+  const int64_t len = lengths(m8, param.numel(), bs).second;
+  check_like(snap_param, "snap_param", param, "param", len);
+  check_no_overlap(param, "param", snap_param, "snap_param");
+  check_like(grad, "grad", param, "param", len);
+  check_no_overlap(param, "param", grad, "grad");
+  if (momentum == 0.0) return m8;
+  TORCH_CHECK(momentum_buffer.has_value(), "osp: sgd_step_into with momentum ", momentum,
+              " needs a momentum_buffer, got None");
+  check_like(*momentum_buffer, "momentum_buffer", param, "param", param.numel());
+  check_no_overlap(*momentum_buffer, "momentum_buffer", param, "param");
+  if (first) return m8;
+  TORCH_CHECK(snap_momentum.has_value(), "osp: sgd_step_into with momentum ", momentum,
+              " after the first step needs snap_momentum, got None");
+  check_like(*snap_momentum, "snap_momentum", param, "param", len);
+  check_no_overlap(*momentum_buffer, "momentum_buffer", *snap_momentum, "snap_momentum");
+  return m8;
+}
+
 // adam_step_: the max_exp_avg_sq pointer, or nullptr without amsgrad.
 inline void* check_adam(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                         const at::Tensor& exp_avg_sq, const c10::optional<at::Tensor>& max_exp_avg_sq,

@@ -53,6 +53,14 @@ void sgd_step(DType dt, void* param, const void* grad, void* momentum_buf, int64
               const SgdHyper& h);
 void adam_step(DType dt, void* param, const void* grad, void* exp_avg, void* exp_avg_sq,
                void* max_exp_avg_sq, int64_t n, const AdamHyper& h);
+// The SGD step of the blocks with mask[b] == 0 of a flat param (n elements, blocks of bs) from packed
+// inputs: snap_param, snap_momentum (not read on the first step) and grad hold just those blocks, in
+// ascending block order. The results go to the blocks' places in param and momentum_buf (null without
+// momentum); the other blocks and the packed inputs are left as they are. Bitwise what sgd_step on the
+// packed buffers followed by merge_blocks into param and momentum_buf gives.
+void sgd_step_into(DType dt, void* param, void* momentum_buf, const void* snap_param,
+                   const void* snap_momentum, const void* grad, const uint8_t* mask, int64_t n, int64_t bs,
+                   const SgdHyper& h);
 }  // namespace cpu
 
 namespace cuda {
@@ -79,6 +87,10 @@ void sgd_step(DType dt, void* param, const void* grad, void* momentum_buf, int64
               const SgdHyper& h, void* stream);
 void adam_step(DType dt, void* param, const void* grad, void* exp_avg, void* exp_avg_sq,
                void* max_exp_avg_sq, int64_t n, const AdamHyper& h, void* stream);
+// packed_n: the packed inputs' length (a block reaching past it is skipped, never read).
+void sgd_step_into(DType dt, void* param, void* momentum_buf, const void* snap_param,
+                   const void* snap_momentum, const void* grad, const uint8_t* mask, const int64_t* pos,
+                   int64_t n, int64_t bs, int64_t packed_n, const SgdHyper& h, void* stream);
 }  // namespace cuda
 
 }  // namespace osp

@@ -252,6 +252,9 @@ def test_opcheck(device):
         (torch.ops.osp.merge_blocks.default, (flat[:nc].clone(), flat[:nd].clone(), mask, BS, flat.clone())),
         (torch.ops.osp.sgd_step_.default,
          (flat.clone(), flat, flat.clone(), 0.1, 0.9, 0.0, 0.0, False, False, False)),
+        (torch.ops.osp.sgd_step_into_.default,
+         (flat.clone(), flat.clone(), flat[:nd].clone(), flat[:nd].clone(), flat[:nd].clone(), mask, BS, 0.1, 0.9,
+          0.0, 0.0, False, False, False)),
         (torch.ops.osp.adam_step_.default, (flat.clone(), flat, st[0], st[1].abs(), st[2].abs(), 2.0,
                                             1e-3, 0.9, 0.999, 1e-8, 0.0, True, False, False)),
     ]
@@ -340,6 +343,71 @@ def test_sgd_step_matches_torch_optim(device, dtype, case):
         assert_steps_match(ours, theirs, dtype, exact)
 
 
+def into_masks(nb, seed):
+    """Masks for sgd_step_into_: none, all and a random third selected, and only the short last block
+    deferred (the packed inputs then end with it)."""
+    g = torch.Generator().manual_seed(seed)
+    last_only = torch.ones(nb, dtype=torch.bool)
+    last_only[-1] = False
+    return [torch.zeros(nb, dtype=torch.bool), torch.ones(nb, dtype=torch.bool), torch.rand(nb, generator=g) < 0.3,
+            last_only]
+
+
+@pytest.mark.parametrize("device,dtype,case", grid(DEVICES, DTYPES, range(len(SGD_CASES))))
+def test_sgd_step_into_is_step_then_merge(device, dtype, case):
+    """The deferred blocks' step from packed snapshots, written straight to the flat buffers, is bitwise
+    sgd_step_ on the packed buffers followed by merge_blocks into the flat ones; the selected blocks
+    and the packed inputs are left alone; over several steps, the first (no momentum yet) included."""
+    kw = SGD_CASES[case]
+    momentum = kw.get("momentum", 0.0)
+    n = 37 * BS + 5
+    for mi, mask in enumerate(into_masks(ops.num_blocks(n, BS), case)):
+        mask = mask.to(device)
+        nd = ops.mask_numels(n, mask, BS)[1]
+        p, m = rand(n, dtype, device, seed=mi), rand(n, dtype, device, seed=50 + mi)
+        p_ref, m_ref = p.clone(), m.clone()
+        for step in range(3):
+            first = step == 0
+            snap_p, snap_m = ops.split_blocks(p, mask, BS)[1].clone(), ops.split_blocks(m, mask, BS)[1].clone()
+            # what the provisional update left in the flat buffers: overwritten on the deferred blocks
+            p.add_(1.0)
+            m.add_(1.0)
+            p_ref.copy_(p)
+            m_ref.copy_(m)
+            g = rand(nd, dtype, device, seed=100 + step)
+            kept_p, kept_m, kept_g = snap_p.clone(), snap_m.clone(), g.clone()
+            ops.sgd_step_into_(p, m if momentum else None, snap_p, None if first else snap_m, g, mask, BS,
+                               first=first, **kw)
+            rp, rm = snap_p.clone(), snap_m.clone()
+            ops.sgd_step_(rp, g, rm if momentum else None, first=first, **kw)
+            ops.merge_blocks(None, rp, mask, BS, p_ref)
+            if momentum:
+                ops.merge_blocks(None, rm, mask, BS, m_ref)
+            assert torch.equal(p, p_ref), f"mask {mi} step {step}: param differs"
+            assert torch.equal(m, m_ref), f"mask {mi} step {step}: momentum differs"
+            assert torch.equal(snap_p, kept_p) and torch.equal(snap_m, kept_m) and torch.equal(g, kept_g)
+
+
+def test_sgd_step_into_bad_input_is_a_clear_error():
+    n = 5 * BS + 3
+    p, m = rand(n, torch.float32, "cpu"), rand(n, torch.float32, "cpu")
+    mask = torch.tensor([1, 0, 0, 1, 0, 0], dtype=torch.bool)
+    nd = ops.mask_numels(n, mask, BS)[1]
+    snap, g = rand(nd, torch.float32, "cpu"), rand(nd, torch.float32, "cpu")
+    with pytest.raises(RuntimeError, match=f"snap_param must have {nd} elements, got {nd - 1}"):
+        ops.sgd_step_into_(p, None, snap[1:], None, g, mask, BS, lr=0.1)
+    with pytest.raises(RuntimeError, match=f"grad must have {nd} elements, got {n}"):
+        ops.sgd_step_into_(p, None, snap, None, p.clone(), mask, BS, lr=0.1)
+    with pytest.raises(RuntimeError, match="sgd_step_into with momentum 0.9 needs a momentum_buffer, got None"):
+        ops.sgd_step_into_(p, None, snap, snap.clone(), g, mask, BS, lr=0.1, momentum=0.9)
+    with pytest.raises(RuntimeError, match="after the first step needs snap_momentum, got None"):
+        ops.sgd_step_into_(p, m, snap, None, g, mask, BS, lr=0.1, momentum=0.9)
+    with pytest.raises(RuntimeError, match="mask must have one entry per block"):
+        ops.sgd_step_into_(p, None, snap, None, g, mask[1:], BS, lr=0.1)
+    with pytest.raises(RuntimeError, match="param must not overlap snap_param"):
+        ops.sgd_step_into_(p, None, p[:nd], None, g, mask, BS, lr=0.1)
+
+
 @pytest.mark.parametrize("device,dtype,case", grid(DEVICES, DTYPES, range(len(ADAM_CASES))))
 def test_adam_step_matches_torch_optim(device, dtype, case):
     cls, kw = ADAM_CASES[case]
@@ -373,3 +441,12 @@ def test_reference_fallback_matches_kernels():
     a = ops.pack_blocks(flat, ids, BS)
     b = ops.ref_pack_blocks(flat, ids, BS, torch.empty_like(a))
     assert torch.equal(a, b)
+    mask = torch.tensor([1, 0, 0, 1, 0, 1, 0, 0, 1, 1, 0, 0], dtype=torch.bool)
+    nd = ops.mask_numels(n, mask, BS)[1]
+    snap, snap_m, g = (rand(nd, torch.float32, "cpu", seed=s) for s in (1, 2, 3))
+    outs = []
+    for fn in (ops.sgd_step_into_, ops.ref_sgd_step_into_):
+        p, m = flat.clone(), flat.clone()
+        fn(p, m, snap, snap_m, g, mask, BS, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-2)
+        outs.append((p, m))
+    assert_steps_match(outs[0], outs[1], torch.float32, exact=CPU_HAS_FMA)

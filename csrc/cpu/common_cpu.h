@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "../ops.h"
 
@@ -70,6 +71,20 @@ inline int64_t block_len(int64_t b, int64_t n, int64_t bs) { return std::min(bs,
 
 // Blocks per parallel task: about 64K elements, at least one block.
 inline int64_t block_grain(int64_t bs) { return std::max<int64_t>(1, (int64_t(1) << 16) / bs); }
+
+// pos[b] = offset of block b inside its side's packed buffer (mask != 0: the selected blocks' buffer,
+// otherwise the others'), each side in ascending block order.
+inline std::vector<int64_t> side_offsets(const uint8_t* mask, int64_t n, int64_t bs) {
+  const int64_t nb = num_blocks(n, bs);
+  std::vector<int64_t> pos(nb);
+  int64_t oc = 0, od = 0;
+  for (int64_t b = 0; b < nb; ++b) {
+    int64_t& o = mask[b] ? oc : od;
+    pos[b] = o;
+    o += block_len(b, n, bs);
+  }
+  return pos;
+}
 
 }  // namespace cpu
 }  // namespace osp

@@ -18,23 +18,43 @@ struct SgdScalars {
   float wd, mom, mom_alpha, damp1, neg_lr;
 };
 
+// One element of torch.optim.SGD's step: the new parameter (before rounding to T) from the parameter
+// p, gradient g and momentum m (read unless FIRST); the new momentum goes to *b.
+template <typename T, bool MAXIMIZE, bool WD, bool MOMENTUM, bool FIRST, bool NESTEROV>
+inline __attribute__((always_inline)) float sgd_elem(float p, float g, float m, float* b, const SgdScalars& s) {
+  if constexpr (MAXIMIZE) g = -g;
+  if constexpr (WD) g = rnd<T>(std::fma(p, s.wd, g));
+  if constexpr (MOMENTUM) {
+    if constexpr (FIRST) *b = g;
+    else *b = rnd<T>(std::fma(g, s.damp1, rnd<T>(m * s.mom)));
+    if constexpr (NESTEROV) g = rnd<T>(std::fma(*b, s.mom_alpha, g));
+    else g = *b;
+  }
+  return std::fma(g, s.neg_lr, p);
+}
+
 // The flags are template parameters so the loop has no branches and vectorizes.
 template <typename T, bool MAXIMIZE, bool WD, bool MOMENTUM, bool FIRST, bool NESTEROV>
 OSP_HOT void sgd_range(T* P, const T* G, T* M, int64_t i0, int64_t i1, SgdScalars s) {
   for (int64_t i = i0; i < i1; ++i) {
-    float g = to_f(G[i]);
-    if constexpr (MAXIMIZE) g = -g;
-    const float p = to_f(P[i]);
-    if constexpr (WD) g = rnd<T>(std::fma(p, s.wd, g));
-    if constexpr (MOMENTUM) {
-      float b;
-      if constexpr (FIRST) b = g;
-      else b = rnd<T>(std::fma(g, s.damp1, rnd<T>(to_f(M[i]) * s.mom)));
-      M[i] = from_f<T>(b);
-      if constexpr (NESTEROV) g = rnd<T>(std::fma(b, s.mom_alpha, g));
-      else g = b;
-    }
-    P[i] = from_f<T>(std::fma(g, s.neg_lr, p));
+    float b = 0.f;
+    const float p = sgd_elem<T, MAXIMIZE, WD, MOMENTUM, FIRST, NESTEROV>(
+        to_f(P[i]), to_f(G[i]), (MOMENTUM && !FIRST) ? to_f(M[i]) : 0.f, &b, s);
+    if constexpr (MOMENTUM) M[i] = from_f<T>(b);
+    P[i] = from_f<T>(p);
+  }
+}
+
+// The same from separate inputs (Pin, Min) into separate outputs (P, M): no buffer is both.
+template <typename T, bool MAXIMIZE, bool WD, bool MOMENTUM, bool FIRST, bool NESTEROV>
+OSP_HOT void sgd_range_into(T* __restrict__ P, T* __restrict__ M, const T* __restrict__ Pin,
+                            const T* __restrict__ Min, const T* __restrict__ G, int64_t len, SgdScalars s) {
+  for (int64_t i = 0; i < len; ++i) {
+    float b = 0.f;
+    const float p = sgd_elem<T, MAXIMIZE, WD, MOMENTUM, FIRST, NESTEROV>(
+        to_f(Pin[i]), to_f(G[i]), (MOMENTUM && !FIRST) ? to_f(Min[i]) : 0.f, &b, s);
+    if constexpr (MOMENTUM) M[i] = from_f<T>(b);
+    P[i] = from_f<T>(p);
   }
 }
 
@@ -88,6 +108,12 @@ struct SgdLoop {
     sgd_range<T, B...>(P, G, M, i0, i1, s);
   }
 };
+struct SgdIntoLoop {
+  template <typename T, bool... B>
+  static void fn(T* P, T* M, const T* Pin, const T* Min, const T* G, int64_t len, SgdScalars s) {
+    sgd_range_into<T, B...>(P, M, Pin, Min, G, len, s);
+  }
+};
 struct AdamLoop {
   template <typename T, bool... B>
   static void fn(T* P, const T* G, T* EA, T* ES, T* MX, int64_t i0, int64_t i1, AdamScalars s) {
@@ -97,18 +123,52 @@ struct AdamLoop {
 
 }  // namespace
 
+static SgdScalars sgd_scalars_for(DType dt, const SgdHyper& h) {
+  SgdScalars sc{};
+  dispatch(dt, [&](auto tag) {
+    using T = decltype(tag);
+    sc = SgdScalars{alpha<T>(h.weight_decay), float(h.momentum), alpha<T>(h.momentum),
+                    alpha<T>(1.0 - h.dampening), alpha<T>(-h.lr)};
+  });
+  return sc;
+}
+
 void sgd_step(DType dt, void* param, const void* grad, void* momentum_buf, int64_t n,
               const SgdHyper& h) {
+  const SgdScalars sc = sgd_scalars_for(dt, h);
   dispatch(dt, [&](auto tag) {
     using T = decltype(tag);
     auto P = static_cast<T*>(param);
     auto G = static_cast<const T*>(grad);
     auto M = h.momentum != 0.0 ? static_cast<T*>(momentum_buf) : nullptr;
-    const SgdScalars sc{alpha<T>(h.weight_decay), float(h.momentum), alpha<T>(h.momentum),
-                        alpha<T>(1.0 - h.dampening), alpha<T>(-h.lr)};
     auto fn = Pick<SgdLoop, T>::get(h.maximize, h.weight_decay != 0.0, M != nullptr, h.first,
                                     h.nesterov);
     at::parallel_for(0, n, kGrain, [&](int64_t i0, int64_t i1) { fn(P, G, M, i0, i1, sc); });
+  });
+}
+
+void sgd_step_into(DType dt, void* param, void* momentum_buf, const void* snap_param,
+                   const void* snap_momentum, const void* grad, const uint8_t* mask, int64_t n, int64_t bs,
+                   const SgdHyper& h) {
+  const SgdScalars sc = sgd_scalars_for(dt, h);
+  const auto pos = side_offsets(mask, n, bs);
+  dispatch(dt, [&](auto tag) {
+    using T = decltype(tag);
+    auto P = static_cast<T*>(param);
+    auto M = h.momentum != 0.0 ? static_cast<T*>(momentum_buf) : nullptr;
+    auto Pin = static_cast<const T*>(snap_param);
+    auto Min = M != nullptr && !h.first ? static_cast<const T*>(snap_momentum) : nullptr;
+    auto G = static_cast<const T*>(grad);
+    auto fn = Pick<SgdIntoLoop, T>::get(h.maximize, h.weight_decay != 0.0, M != nullptr, h.first,
+                                        h.nesterov);
+    at::parallel_for(0, num_blocks(n, bs), block_grain(bs), [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        if (mask[b]) continue;
+        const int64_t o = pos[b];
+        fn(P + b * bs, M ? M + b * bs : nullptr, Pin + o, Min ? Min + o : nullptr, G + o, block_len(b, n, bs),
+           sc);
+      }
+    });
   });
 }
 

@@ -15,19 +15,6 @@ std::vector<int64_t> packed_offsets(const int64_t* ids, int64_t nids, int64_t n,
   return off;
 }
 
-// pos[b] = offset of block b inside its side's buffer (crit for mask != 0, def otherwise).
-std::vector<int64_t> side_offsets(const uint8_t* mask, int64_t n, int64_t bs) {
-  const int64_t nb = num_blocks(n, bs);
-  std::vector<int64_t> pos(nb);
-  int64_t oc = 0, od = 0;
-  for (int64_t b = 0; b < nb; ++b) {
-    int64_t& o = mask[b] ? oc : od;
-    pos[b] = o;
-    o += block_len(b, n, bs);
-  }
-  return pos;
-}
-
 template <typename T> OSP_HOT void add_into(T* dst, const T* src, int64_t len) {
   for (int64_t i = 0; i < len; ++i) dst[i] = from_f<T>(to_f(dst[i]) + to_f(src[i]));
 }

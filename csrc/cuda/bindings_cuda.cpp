@@ -111,6 +111,24 @@ void sgd_step_cuda(const at::Tensor& param, const at::Tensor& grad,
                  stream_of(param));
 }
 
+void sgd_step_into_cuda(const at::Tensor& param, const c10::optional<at::Tensor>& momentum_buffer,
+                        const at::Tensor& snap_param, const c10::optional<at::Tensor>& snap_momentum,
+                        const at::Tensor& grad, const at::Tensor& mask, int64_t bs, double lr, double momentum,
+                        double dampening, double weight_decay, bool nesterov, bool maximize, bool first) {
+  const auto m8 = check_sgd_into(param, momentum_buffer, snap_param, snap_momentum, grad, mask, bs, momentum,
+                                 first, unchecked_lengths);
+  const SgdHyper h{lr, momentum, dampening, weight_decay, nesterov, maximize, first};
+  if (param.numel() == 0) return;
+  c10::cuda::CUDAGuard guard(param.device());
+  const auto pos = exclusive_positions(m8);
+  int64_t packed_n = std::min(snap_param.numel(), grad.numel());
+  if (momentum != 0.0 && !first) packed_n = std::min(packed_n, snap_momentum->numel());
+  cuda::sgd_step_into(to_dtype(param, "param"), param.data_ptr(), momentum != 0.0 ? momentum_buffer->data_ptr()
+                      : nullptr, snap_param.data_ptr(), data_or_null(snap_momentum), grad.data_ptr(),
+                      m8.data_ptr<uint8_t>(), pos.data_ptr<int64_t>(), param.numel(), bs, packed_n, h,
+                      stream_of(param));
+}
+
 void adam_step_cuda(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                     const at::Tensor& exp_avg_sq, const c10::optional<at::Tensor>& max_exp_avg_sq,
                     double step, double lr, double beta1, double beta2, double eps, double weight_decay,
@@ -132,6 +150,7 @@ TORCH_LIBRARY_IMPL(osp, CUDA, m) {
   m.impl("split_blocks", &split_blocks_cuda);
   m.impl("merge_blocks", &merge_blocks_cuda);
   m.impl("sgd_step_", &sgd_step_cuda);
+  m.impl("sgd_step_into_", &sgd_step_into_cuda);
   m.impl("adam_step_", &adam_step_cuda);
 }
 

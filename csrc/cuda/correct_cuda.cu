@@ -11,22 +11,53 @@ namespace osp {
 namespace cuda {
 namespace {
 
+// One element of torch.optim.SGD's step: the new parameter from p, g and the momentum m (read unless
+// first; null M: no momentum); the new momentum goes to *b.
+template <typename T>
+__device__ __forceinline__ float sgd_elem(float p, float g, float m, bool has_m, float* b, float wd, float mom,
+                                          float damp1, float neg_lr, bool nesterov, bool maximize, bool first) {
+  if (maximize) g = -g;
+  if (wd != 0.f) g = rnd<T>(fmaf(p, wd, g));
+  if (has_m) {
+    *b = first ? g : rnd<T>(fmaf(g, damp1, rnd<T>(__fmul_rn(m, mom))));
+    g = nesterov ? rnd<T>(fmaf(*b, mom, g)) : *b;
+  }
+  return fmaf(g, neg_lr, p);
+}
+
 template <typename T>
 __global__ void sgd_step_kernel(T* __restrict__ P, const T* __restrict__ G, T* __restrict__ M, int64_t n,
                                 float wd, float mom, float damp1, float neg_lr, bool nesterov,
                                 bool maximize, bool first) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
-    float g = to_f(G[i]);
-    if (maximize) g = -g;
-    const float p = to_f(P[i]);
-    if (wd != 0.f) g = rnd<T>(fmaf(p, wd, g));
-    if (M) {
-      const float b = first ? g : rnd<T>(fmaf(g, damp1, rnd<T>(__fmul_rn(to_f(M[i]), mom))));
-      M[i] = from_f<T>(b);
-      g = nesterov ? rnd<T>(fmaf(b, mom, g)) : b;
+    float b = 0.f;
+    const float p = sgd_elem<T>(to_f(P[i]), to_f(G[i]), M && !first ? to_f(M[i]) : 0.f, M != nullptr, &b, wd,
+                                mom, damp1, neg_lr, nesterov, maximize, first);
+    if (M) M[i] = from_f<T>(b);
+    P[i] = from_f<T>(p);
+  }
+}
+
+// One CTA per block (grid-stride); the deferred (mask == 0) block b starts at b - pos[b] whole blocks
+// in the packed inputs, as in merge_blocks.
+template <typename T>
+__global__ void sgd_step_into_kernel(T* __restrict__ P, T* __restrict__ M, const T* __restrict__ Pin,
+                                     const T* __restrict__ Min, const T* __restrict__ G,
+                                     const uint8_t* __restrict__ mask, const int64_t* __restrict__ pos,
+                                     int64_t n, int64_t bs, int64_t packed_n, float wd, float mom, float damp1,
+                                     float neg_lr, bool nesterov, bool maximize, bool first) {
+  const int64_t nb = (n + bs - 1) / bs;
+  for (int64_t b = blockIdx.x; b < nb; b += gridDim.x) {
+    const int64_t o = (b - pos[b]) * bs, len = block_len(b, n, bs);
+    if (mask[b] != 0 || o + len > packed_n) continue;
+    for (int64_t i = threadIdx.x; i < len; i += blockDim.x) {
+      float m = 0.f;
+      const float p = sgd_elem<T>(to_f(Pin[o + i]), to_f(G[o + i]), Min && !first ? to_f(Min[o + i]) : 0.f,
+                                  M != nullptr, &m, wd, mom, damp1, neg_lr, nesterov, maximize, first);
+      if (M) M[b * bs + i] = from_f<T>(m);
+      P[b * bs + i] = from_f<T>(p);
     }
-    P[i] = from_f<T>(fmaf(g, neg_lr, p));
   }
 }
 
@@ -76,6 +107,23 @@ void sgd_step(DType dt, void* param, const void* grad, void* momentum_buf, int64
         h.momentum != 0.0 ? static_cast<T*>(momentum_buf) : nullptr, n, float(h.weight_decay),
         float(h.momentum), float(1.0 - h.dampening), float(-h.lr), h.nesterov, h.maximize, h.first);
     check_launch("sgd_step_kernel");
+  });
+}
+
+void sgd_step_into(DType dt, void* param, void* momentum_buf, const void* snap_param,
+                   const void* snap_momentum, const void* grad, const uint8_t* mask, const int64_t* pos,
+                   int64_t n, int64_t bs, int64_t packed_n, const SgdHyper& h, void* stream) {
+  const int64_t nb = num_blocks(n, bs);
+  if (nb == 0) return;
+  dispatch(dt, [&](auto tag) {
+    using T = decltype(tag);
+    const bool has_m = h.momentum != 0.0;
+    sgd_step_into_kernel<T><<<grid_for(nb, 1), kThreads, 0, as_stream(stream)>>>(
+        static_cast<T*>(param), has_m ? static_cast<T*>(momentum_buf) : nullptr,
+        static_cast<const T*>(snap_param), has_m && !h.first ? static_cast<const T*>(snap_momentum) : nullptr,
+        static_cast<const T*>(grad), mask, pos, n, bs, packed_n, float(h.weight_decay), float(h.momentum),
+        float(1.0 - h.dampening), float(-h.lr), h.nesterov, h.maximize, h.first);
+    check_launch("sgd_step_into_kernel");
   });
 }
 

@@ -126,7 +126,10 @@ class Generic:
             s.states[i] = _clone_state(st.get(p))
         return s
 
-    def correct(self, items: List[Tuple[Snapshot, torch.Tensor]]) -> None:
+    def correct(self, items: List[Tuple[Snapshot, torch.Tensor]], keep: bool = True) -> None:
+        """The exact update of each snapshot's blocks with its averaged gradient. ``keep``: the
+        snapshots must hold the corrected values afterwards too (for ``advance``); without it a fused
+        kernel may write them straight to their places and leave the snapshot as it was."""
         self._correct_generic(items)
 
     def _correct_generic(self, items) -> None:
@@ -299,10 +302,12 @@ class _Fused(Generic):
         """The per-parameter state a fused snapshot keeps as one number for the group."""
         return {}
 
-    def correct(self, items):
+    def correct(self, items, keep=True):
         generic = [(s, a) for s, a in items if not isinstance(s, FusedSnapshot)]
         for s, avg in items:
             if isinstance(s, FusedSnapshot):
+                if not keep and self._correct_into(s, avg):
+                    continue
                 self._kernel(s.fg, s.param, avg, s.state, s.hyper, s.step)
                 for key, buf in s.state.items():
                     ops.merge_blocks(None, buf, s.mask, s.fg.block_size, self.flat[id(s.fg)][key])
@@ -346,6 +351,11 @@ class _Fused(Generic):
             super().replay(generic, step_hyper, gsteps)
             self.adopt([fg for fg, _ in generic])
 
+    def _correct_into(self, s: FusedSnapshot, avg: torch.Tensor) -> bool:
+        """The exact update of ``s``'s blocks written straight to their places in the flat parameter
+        and state, in one pass (``s`` keeps the values from before); False where no kernel does that."""
+        return False
+
     def _kernel(self, fg, param, grad, state, h, step) -> None:
         """One exact optimizer update of ``param`` (packed or whole) with ``grad``; ``state`` holds
         buffers of the same layout (a None entry: the state starts with this update); they are filled
@@ -368,6 +378,16 @@ class FusedSGD(_Fused):
         ops.sgd_step_(param, grad, mom, lr=float(h["lr"]), momentum=momentum, dampening=h["dampening"],
                       weight_decay=h["weight_decay"], nesterov=h["nesterov"],
                       maximize=h.get("maximize", False), first=first)
+
+    def _correct_into(self, s, avg):
+        h = s.hyper
+        momentum = h.get("momentum", 0)
+        snap_mom = s.state.get("momentum_buffer") if momentum else None
+        ops.sgd_step_into_(s.fg.param, self.flat[id(s.fg)]["momentum_buffer"] if momentum else None, s.param,
+                           snap_mom, avg, s.mask, s.fg.block_size, lr=float(h["lr"]), momentum=momentum,
+                           dampening=h["dampening"], weight_decay=h["weight_decay"], nesterov=h["nesterov"],
+                           maximize=h.get("maximize", False), first=bool(momentum) and snap_mom is None)
+        return True
 
 
 class FusedAdam(_Fused):

@@ -196,6 +196,28 @@ def sgd_step_(
                       weight_decay=weight_decay, nesterov=nesterov, maximize=maximize, first=first)
 
 
+def sgd_step_into_(
+    param: torch.Tensor, momentum_buffer: Optional[torch.Tensor], snap_param: torch.Tensor,
+    snap_momentum: Optional[torch.Tensor], grad: torch.Tensor, mask: torch.Tensor, block_size: int, *,
+    lr: float, momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0,
+    nesterov: bool = False, maximize: bool = False, first: bool = False,
+) -> None:
+    """The ``torch.optim.SGD`` step of the blocks of the flat ``param`` where ``mask`` is not set, from
+    packed inputs: ``snap_param``, ``snap_momentum`` and ``grad`` hold just those blocks (as
+    :func:`split_blocks` packs the deferred side). The results are written to the blocks' places in
+    ``param`` and ``momentum_buffer``; the packed inputs and the other blocks are left as they are.
+    Bitwise :func:`sgd_step_` on the packed buffers followed by :func:`merge_blocks` of both into
+    their flat places, in one pass."""
+    _check_block_size(block_size)
+    if _use_extension():
+        torch.ops.osp.sgd_step_into_(param, momentum_buffer, snap_param, snap_momentum, grad, mask, block_size,
+                                     lr, momentum, dampening, weight_decay, nesterov, maximize, first)
+    else:
+        ref_sgd_step_into_(param, momentum_buffer, snap_param, snap_momentum, grad, mask, block_size, lr=lr,
+                           momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                           nesterov=nesterov, maximize=maximize, first=first)
+
+
 def adam_step_(
     param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
     max_exp_avg_sq: Optional[torch.Tensor], *, step: float, lr: float, beta1: float = 0.9,
@@ -320,6 +342,21 @@ def ref_sgd_step_(param, grad, momentum_buffer, *, lr, momentum=0.0, dampening=0
         momentum_buffer.copy_(bufs[0])
 
 
+def ref_sgd_step_into_(param, momentum_buffer, snap_param, snap_momentum, grad, mask, block_size, *, lr,
+                       momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False,
+                       first=False):
+    """:func:`ref_sgd_step_` on copies of the packed inputs, merged into their flat places."""
+    p = snap_param.clone()
+    m = None
+    if momentum != 0.0:
+        m = torch.empty_like(p) if first else snap_momentum.clone()
+    ref_sgd_step_(p, grad, m, lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                  nesterov=nesterov, maximize=maximize, first=first)
+    ref_merge_blocks(None, p, mask, block_size, param)
+    if m is not None:
+        ref_merge_blocks(None, m, mask, block_size, momentum_buffer)
+
+
 def ref_adam_step_(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, *, step, lr, beta1=0.9,
                    beta2=0.999, eps=1e-8, weight_decay=0.0, amsgrad=False, maximize=False,
                    decoupled=False):
@@ -345,5 +382,5 @@ if HAS_EXTENSION:
         return grad.new_empty(nb, dtype=torch.float32), grad.new_empty(1, dtype=torch.int32)
 
     for _name in ("pack_blocks", "unpack_blocks", "split_blocks", "merge_blocks", "sgd_step_",
-                  "adam_step_"):
+                  "sgd_step_into_", "adam_step_"):
         torch.library.register_fake(f"osp::{_name}")(lambda *args, **kwargs: None)

@@ -502,7 +502,7 @@ class OSPMode(Mode):
                 d.full.mul_(coef)
             items = [(d.snap, d.full) for d in self._pending]
         held = [self.corrector.hold(d.snap.fg, d.absent) for d in self._pending if d.absent]
-        self.corrector.correct(items)
+        self.corrector.correct(items, keep=False)  # the snapshots are dropped below
         self.corrector.restore(held)
         # scored after the corrections: with "relative", |w| must be the exact (shared) parameters,
         # not this rank's provisional ones, or ranks would pick different blocks next step

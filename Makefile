@@ -82,7 +82,8 @@ bench: install
 
 # Quick start: BSP then OSP auto on 2 ranks behind a shaped 1 Gbit/s link (root: network namespaces and
 # tc; a 4.3M-parameter digits MLP, or DEMO_ARGS="--model cnn"), then a side-by-side table; elsewhere the
-# loopback demo under horovodrun, saying why. DEMO_ARGS="--epochs 3" for a shorter one, "--loopback" for the loopback one.
+# loopback demo under horovodrun, saying why. DEMO_ARGS="--epochs 3" for a shorter one, "--loopback" for
+# the loopback one.
 DEMO_ARGS ?=
 demo: install
 	$(PY) scripts/demo.py $(DEMO_ARGS)

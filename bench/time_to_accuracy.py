@@ -55,6 +55,13 @@ DEFAULTS = {"mlp": dict(width=32, batch_size=256, epochs=60, eval_every=5),
             "cnn": dict(width=120, batch_size=64, epochs=12, eval_every=1)}
 
 
+def apply_defaults(a) -> None:
+    """Fill the options left unset (None) on ``a`` with ``DEFAULTS`` of its ``a.model``."""
+    for key, value in DEFAULTS[a.model].items():
+        if getattr(a, key) is None:
+            setattr(a, key, value)
+
+
 def train_argv(contender: str, seed: int, a, out: str, progress: bool = False) -> list:
     opts, engine = CONTENDERS[contender]
     return [sys.executable, "-m", "osp.train", *opts, "--backend", engine, "--epochs", str(a.epochs),
@@ -276,9 +283,7 @@ def main(argv=None):
         seeds = [int(s) for s in a.seeds.split(",")]
         print(tables(summarize(saved["runs"], contenders, seeds), a))
         return 0
-    for key, value in DEFAULTS[a.model].items():
-        if getattr(a, key) is None:
-            setattr(a, key, value)
+    apply_defaults(a)
     contenders = ["bsp"] + [c for c in a.contenders.split(",") if c != "bsp"]  # BSP sets the target
     unknown = [c for c in contenders if c not in CONTENDERS]
     if unknown:

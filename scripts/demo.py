@@ -158,11 +158,9 @@ def main(argv=None):
     reason = "asked for with --loopback" if a.loopback else why_no_netem(a.rate)
     if reason is not None:
         return loopback(a, reason)
-    from bench.time_to_accuracy import DEFAULTS  # per model: width, batch, epochs, --eval-every
+    from bench.time_to_accuracy import apply_defaults  # per model: width, batch, epochs, --eval-every
 
-    for key, value in DEFAULTS[a.model].items():
-        if getattr(a, key) is None:
-            setattr(a, key, value)
+    apply_defaults(a)
     return shaped(a)
 
 

@@ -359,10 +359,11 @@ class Job:
             test_loss, test_acc = evaluate(self.model, self.x_test, self.y_test)
             prev = pos["history"][-1] if pos["history"] else {"wall_s": 0.0, "samples": 0}
             samples = pos["samples_total"] + pos["done"] * args.batch_size
-            # since the previous record (the epochs --eval-every skipped included)
+            # since the previous record (the epochs --eval-every skipped included); a record from a
+            # checkpoint written before "samples" existed was the epoch before this one
             rec = {"epoch": pos["epoch"] + 1, "train_loss": pos["tot"] / max(pos["nsteps"], 1),
                    "test_loss": test_loss, "test_acc": test_acc,
-                   "samples_per_s": (samples - prev.get("samples", 0))
+                   "samples_per_s": (samples - prev.get("samples", pos["samples_total"]))
                    / max(pos["train_time"] + dt - prev["wall_s"], 1e-9),
                    "steps": pos["nsteps"], "epoch_s": dt, "wall_s": pos["train_time"] + dt, "samples": samples,
                    "ranks": size}

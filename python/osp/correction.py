@@ -62,6 +62,9 @@ class Snapshot:
     mask: torch.Tensor  # blocks NOT in the snapshot (already exact)
     hyper: Dict[str, Any]  # the group's hyper-parameters for the update being corrected
     numel: int = 0  # elements of the deferred blocks
+    #: parameters without a gradient on any rank in the update being corrected: the optimizer skips
+    #: them (as torch.optim does), and the caller puts them back with ``restore`` (``hold``)
+    absent: set = field(default_factory=set)
 
 
 @dataclass
@@ -87,6 +90,9 @@ class Generic:
     def __init__(self, optimizer: torch.optim.Optimizer):
         self.optimizer = optimizer
         self._ws: Dict[int, Workspace] = {}
+        #: the update of one parameter may read the others (a global-norm optimizer, any custom one): a
+        #: correction then restores and re-steps every parameter of every group, with the exact gradient
+        self.whole = type(optimizer) not in PER_PARAMETER
 
     def workspace(self, fg: FlatGroup) -> Workspace:
         ws = self._ws.get(id(fg))
@@ -99,7 +105,8 @@ class Generic:
 
     def snapshot(self, fg: FlatGroup, mask: torch.Tensor, n_deferred: int, step_hyper: dict) -> Snapshot:
         s = self._keep(GenericSnapshot(fg=fg, mask=mask, hyper=step_hyper, numel=n_deferred,
-                                       touched=fg.touched(~mask)))
+                                       touched=list(range(len(fg.params))) if self.whole
+                                       else fg.touched(~mask)))
         s.grad = self.workspace(fg)("snap.grad").copy_(fg.grad)
         return s
 
@@ -142,7 +149,8 @@ class Generic:
                 self.optimizer.param_groups[fg.group_index].update(s.hyper)
                 self._restore_generic(s)
                 for i in s.touched:
-                    set_grad(fg.params[i], fg.view(s.grad, i))
+                    if i not in s.absent:
+                        set_grad(fg.params[i], fg.view(s.grad, i))
             unhooked_step(self.optimizer)
 
     def _restore_generic(self, s: "GenericSnapshot") -> None:
@@ -186,16 +194,19 @@ class Generic:
         return sum(ws.nbytes() for ws in self._ws.values())
 
     def replay(self, items: List[Tuple[FlatGroup, torch.Tensor]], step_hyper: List[dict],
-               steps: Sequence[float]) -> None:
+               steps: Sequence[float], absent: Sequence[set] = ()) -> None:
         """A provisional update of whole flat groups with the gradients ``items`` under the
         hyper-parameters of the step being replayed (``step_hyper``, one dict per param group);
-        ``steps``: its update number for each item (Adam's bias correction)."""
+        ``steps``: its update number for each item (Adam's bias correction); ``absent``: per item, the
+        parameters that had no gradient in that step (left alone, as the provisional update left them)."""
+        absent = list(absent) or [set()] * len(items)
         with _stepping_only(self.optimizer) as set_grad:
             for g, h in zip(self.optimizer.param_groups, step_hyper):
                 g.update(h)
-            for fg, grad in items:
+            for (fg, grad), skip in zip(items, absent):
                 for i, p in enumerate(fg.params):
-                    set_grad(p, fg.view(grad, i))
+                    if i not in skip:
+                        set_grad(p, fg.view(grad, i))
             unhooked_step(self.optimizer)
 
 
@@ -306,6 +317,7 @@ class _Fused(Generic):
         generic = [(s, a) for s, a in items if not isinstance(s, FusedSnapshot)]
         for s, avg in items:
             if isinstance(s, FusedSnapshot):
+                self._set_count(s.fg, s.step)
                 if not keep and self._correct_into(s, avg):
                     continue
                 self._kernel(s.fg, s.param, avg, s.state, s.hyper, s.step)
@@ -338,18 +350,25 @@ class _Fused(Generic):
             for key, buf in s.state.items():
                 ops.merge_blocks(None, buf, s.mask, bs, self.flat[id(s.fg)][key])
 
-    def replay(self, items, step_hyper, steps):
-        generic, gsteps = [], []
-        for (fg, grad), step in zip(items, steps):
-            if not (self.fused_ok(fg) and self.has_state(fg)):
+    def replay(self, items, step_hyper, steps, absent=()):
+        generic, gsteps, gabsent = [], [], []
+        for (fg, grad), step, skip in zip(items, steps, list(absent) or [set()] * len(items)):
+            if skip or not (self.fused_ok(fg) and self.has_state(fg)):  # the kernels update whole groups
                 generic.append((fg, grad))
                 gsteps.append(step)
+                gabsent.append(skip)
                 continue
             state = {key: self.flat[id(fg)][key] for key in self.state_keys(fg)}
             self._kernel(fg, fg.param, grad, state, step_hyper[fg.group_index], step)
+            self._set_count(fg, step)
         if generic:
-            super().replay(generic, step_hyper, gsteps)
+            super().replay(generic, step_hyper, gsteps, gabsent)
             self.adopt([fg for fg, _ in generic])
+
+    def _set_count(self, fg: FlatGroup, step: float) -> None:
+        """A kernel applied update number ``step`` to every parameter of ``fg``: where the optimizer keeps
+        that number in its own state (Adam's ``step``), it must say so too, or the steps that follow
+        (torch's own, a replay) would count from the number the provisional updates left."""
 
     def _correct_into(self, s: FusedSnapshot, avg: torch.Tensor) -> bool:
         """The exact update of ``s``'s blocks written straight to their places in the flat parameter
@@ -417,12 +436,14 @@ class FusedAdam(_Fused):
         if counts is None:
             return
         for fg, count in zip(groups, counts):
-            if not self.fused_ok(fg):
-                continue  # restored with the rest of the generic snapshot
-            for p in fg.params:
-                st = self.optimizer.state.get(p)
-                if st and torch.is_tensor(st.get("step")):
-                    st["step"].fill_(count)
+            if self.fused_ok(fg):  # else restored with the rest of the generic snapshot
+                self._set_count(fg, count)
+
+    def _set_count(self, fg, step):
+        for p in fg.params:
+            st = self.optimizer.state.get(p)
+            if st and torch.is_tensor(st.get("step")):
+                st["step"].fill_(step)
 
     def _kernel(self, fg, param, grad, state, h, step):
         for key in self.state_keys(fg):
@@ -437,8 +458,19 @@ class FusedAdam(_Fused):
                        amsgrad=amsgrad, maximize=h.get("maximize", False), decoupled=decoupled)
 
 
+#: torch.optim's optimizers whose update of a parameter reads only that parameter, its gradient and its
+#: state: the generic correction may re-step just the parameters it touches. Any other optimizer (a
+#: subclass too: it may read more) is re-stepped whole.
+PER_PARAMETER = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.RAdam,
+                 torch.optim.Adamax, torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.RMSprop,
+                 torch.optim.Rprop, torch.optim.ASGD)
+
+
 def corrector_for(optimizer: torch.optim.Optimizer) -> Generic:
-    """The corrector for ``optimizer``'s kind (exactly SGD, Adam or AdamW get fused kernels; a subclass
-    may change the update, so it takes the generic path)."""
+    """The corrector for ``optimizer``'s kind: exactly SGD, Adam or AdamW get osp's kernels, unless
+    asked for torch's ``fused`` kernels (whose fp16/bf16 arithmetic osp's do not repeat: torch's own step
+    corrects them); a subclass may change the update, so it takes the generic path."""
     kind = {torch.optim.SGD: FusedSGD, torch.optim.Adam: FusedAdam, torch.optim.AdamW: FusedAdam}
+    if any(g.get("fused") for g in optimizer.param_groups):
+        return Generic(optimizer)
     return kind.get(type(optimizer), Generic)(optimizer)

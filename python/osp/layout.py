@@ -80,10 +80,12 @@ class FlatGroup:
             p.grad = gv
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """As ``torch.optim``'s: ``set_to_none=False`` zeroes the gradients that exist and leaves a
+        gradient that is None as it is (the step then leaves that parameter alone)."""
         if not set_to_none:  # accumulated into in place; set to None, each is overwritten when gathered
             self.grad.zero_()
         for p, gv in zip(self.params, self.grad_views):
-            p.grad = None if set_to_none else gv
+            p.grad = None if set_to_none or p.grad is None else gv
 
     def set_grads(self, absent=()) -> None:
         """Point each ``p.grad`` at its alias, or at None where ``absent`` (indices) says so: the wrapped
@@ -130,6 +132,10 @@ class Workspace:
         return sum(b.numel() * b.element_size() for b in self._bufs.values())
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
 class EditProbe:
     """Notices parameters changed between steps while an exact correction is pending (a weight clamp,
     ``load_state_dict``, ...), which the correction would silently overwrite. Two signs: a parameter's
@@ -168,7 +174,7 @@ class EditProbe:
                 continue
             if sum(p._version for p in fg.params) != self._versions[i]:
                 return torch.ones((), dtype=torch.bool, device=fg.device)
-            diff = (self._view(fg) != old).any(dim=1)
+            diff = (_bits(self._view(fg)) != _bits(old)).any(dim=1)  # bits: a nan equals itself
             if masks is not None:
                 diff = diff & masks[i]
             out = out | diff.any()

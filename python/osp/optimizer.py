@@ -443,11 +443,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _grads_changed(self, allowed: int) -> List[str]:
         """Parameters whose gradient was changed in place after the step's backward ended, beyond
-        ``allowed`` changes each (a GradScaler's unscale or overflow check)."""
+        ``allowed`` changes each (a GradScaler's unscale or overflow check), or replaced by another
+        tensor."""
         if self._versions is None:
             return []
-        now = [(name, a._version) for fg in self.groups for name, a in zip(fg.names, fg.grad_views)]
-        return [name for (name, v), (_, old) in zip(now, self._versions) if v - old > allowed]
+        out, k = [], 0
+        for fg in self.groups:
+            for name, p, a in zip(fg.names, fg.params, fg.grad_views):
+                held, old = self._versions[k]
+                k += 1
+                if a._version - old > allowed or (held and p.grad is not a):
+                    out.append(name)
+        return out
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -469,17 +476,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
         scaler_state = None
         if getattr(self, "found_inf", None) is not None and self._step_supports_amp_scaling:
             scaler, scaler_state = _calling_grad_scaler(self)
+            half = [fg.names[0] for fg in self.groups if fg.dtype == torch.float16]
+            # as GradScaler.unscale_() refuses them, unless the wrapped optimizer unscales itself (fused)
+            if half and not getattr(self.optimizer, "_step_supports_amp_scaling", False):
+                self.__dict__.pop("grad_scale", None)
+                self.__dict__.pop("found_inf", None)
+                raise ValueError(f"osp: Attempting to unscale FP16 gradients (parameter {half[0]!r} is float16): "
+                                 "torch.amp.GradScaler needs float32 parameters (autocast computes in float16); "
+                                 "keep the parameters float32, or use bfloat16 without a scaler")
             inp.backward_scale = float(scaler._scale)
             if self.grad_scale is not None:  # not unscaled yet
                 inp.unscale = float(1.0 / self.grad_scale.double())
             else:  # the user's scaler.unscale_(opt) changed them in place since backward
                 inp.grads_changed = True
-        if not self.mode.grad_is_average and not self._warned_grad_change:
-            changed = self._grads_changed(allowed=1 if scaler_state is not None else 0)
-            if changed:
+        if not self.mode.grad_is_average:
+            inp.edited = self._grads_changed(allowed=1 if scaler_state is not None else 0)
+            if inp.edited and self.mode.honors_grad_edits and not self._warned_grad_change:
                 self._warned_grad_change = True
                 warnings.warn(
-                    f"osp: the gradients of {len(changed)} parameter(s) (e.g. {changed[0]!r}) were changed in "
+                    f"osp: the gradients of {len(inp.edited)} parameter(s) (e.g. {inp.edited[0]!r}) were changed in "
                     f"place between backward() and step(), e.g. by torch.nn.utils.clip_grad_norm_. Under "
                     f"{self.sync.name.upper()} .grad holds each rank's own gradient at that point, not the "
                     "average, so such a change acts on every rank's gradient separately (e.g. clips each by its "

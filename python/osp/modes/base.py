@@ -17,7 +17,7 @@ The mode knows only the ``Context`` it is handed, never the optimizer object.
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, List, Optional
 
 import torch
@@ -40,6 +40,8 @@ class StepInput:
     #: the gradients were changed in place after backward in a way their version counters do not show
     #: (a GradScaler's ``unscale_``, whose kernel leaves them alone)
     grads_changed: bool = False
+    #: parameters whose ``.grad`` was changed in place or replaced between backward and ``step()``
+    edited: List[str] = field(default_factory=list)
     #: ``step(closure)`` (modes with ``accepts_closure``): run one more micro-batch, accumulating into
     #: ``.grad``; returns its backward passes (>= 1) or raises
     extra: Optional[Callable[[], int]] = None
@@ -154,6 +156,9 @@ class Mode(abc.ABC):
     grad_is_average = False
     #: ``step(closure)`` hands the mode ``StepInput.extra`` (HSP); other modes refuse a closure
     accepts_closure = False
+    #: a change of ``.grad`` between backward and ``step()`` (``StepInput.edited``) reaches the average
+    #: (the optimizer warns that it acts on each rank's own gradient); otherwise the mode refuses it
+    honors_grad_edits = True
 
     def on_ready(self, p: torch.Tensor) -> None:
         """``p``'s gradient had its last backward pass of the step."""

@@ -75,13 +75,21 @@ class _Step:
     handles: List[Handle]
     hyper: List[dict]  # every param group's hyper-parameters of that step, by value
     finite: bool  # this rank's gradient was finite (else its provisional update was skipped here)
+    absent: List[set]  # per flat group, its parameters without a gradient here (the provisional update skips them)
     unscale: Optional[float] = None  # GradScaler: the average is of gradients scaled by 1 / this
+    scaled: int = 0  # ... in its first ``scaled`` buckets (the later ones were unscaled when they started)
     max_norm: Optional[float] = None  # clip the average by its 2-norm
     arrived: Optional[int] = None  # steps after its own that its average was seen complete
 
 
+_GRADS, _PARAMS = -2, -1  # the presence buffer's flags
+
+
 class DSyncMode(Mode):
     options: DSync
+    # the averages start from the backward hooks, before step(): a later change of .grad cannot reach
+    # them, and ranks learn of it only when the step's average lands
+    honors_grad_edits = False
 
     def __init__(self, options: DSync, ctx: Context):
         super().__init__(options, ctx)
@@ -91,9 +99,10 @@ class DSyncMode(Mode):
         self.kept = longest if longest > 1 else 0  # local gradients kept for replays
         self.corrector = corrector_for(ctx.optimizer)
         self.buckets = Buckets(ctx.groups, options.bucket_mb, ctx.comm, f"{ctx.prefix}.ds")
-        # per slot: which parameters have a gradient on some rank, and (last) whether some rank's
-        # parameters were changed while a correction was pending; summed with the slot's average
-        self._presence = [torch.zeros(ctx.nparams + 1, dtype=torch.float32, device=ctx.device)
+        # per slot: which parameters have a gradient on some rank, then whether some rank's gradients
+        # were changed after backward (``_GRADS``) and whether its parameters were changed while a
+        # correction was pending (``_PARAMS``); summed with the slot's average
+        self._presence = [torch.zeros(ctx.nparams + 2, dtype=torch.float32, device=ctx.device)
                           for _ in range(self.slots)]
         self._probe = EditProbe(ctx.groups, chunk=4096)
         self._ws: Dict[int, Workspace] = {id(fg): Workspace(fg) for fg in ctx.groups}
@@ -135,10 +144,14 @@ class DSyncMode(Mode):
                 "osp: DSync(delay='auto') cannot take a GradScaler: each rank picks its own delay, so ranks "
                 "would learn of an overflow at different steps and their loss scales would drift apart. Use "
                 "a fixed delay, e.g. osp.DSync(delay=2)")
-        handles = list(self.buckets.launch(force=True))  # a bucket without gradients averages zeros
+        # a bucket without gradients averages zeros; the buckets launched from here on carry gradients
+        # a GradScaler's unscale_() already unscaled (those launched in backward are still scaled)
+        scaled = len(self.buckets.launched) if inp.grads_changed else len(self.buckets.buckets)
+        handles = list(self.buckets.launch(force=True))
         slot = self.t % self.slots
-        ctx.presence(self._presence[slot][:-1])
-        self._presence[slot][-1:].copy_(self._probe.edited().reshape(1))
+        ctx.presence(self._presence[slot][:_GRADS])
+        self._presence[slot][_GRADS].fill_(1.0 if inp.edited else 0.0)
+        self._presence[slot][_PARAMS:].copy_(self._probe.edited().reshape(1))
         handles.append(ctx.comm.allreduce_sum_async_(self._presence[slot], f"{ctx.prefix}.ds.{slot}.present"))
         # the provisional update uses this rank's own gradient (zeros where it has none, as on every rank
         # the same parameters must step), unscaled and clipped by its own norm
@@ -169,8 +182,12 @@ class DSyncMode(Mode):
             self._take_snapshot()
         self.corrector.set_step_count(ctx.groups, [c + replayed for c in self._count]
                                       if due else None)
-        # the provisional update with this rank's own gradient
+        # the provisional update with this rank's own gradient; a parameter without one here is left
+        # alone, as torch.optim leaves it (its average may still bring a gradient from other ranks)
+        absent = [set(fg.absent) for fg in ctx.groups]
         if finite:
+            for fg, a in zip(ctx.groups, absent):
+                fg.set_grads(a)  # and stays None after the step, as torch.optim leaves it
             unhooked_step(ctx.optimizer)
             self.corrector.adopt(ctx.groups)
         self._probe.record()
@@ -179,8 +196,10 @@ class DSyncMode(Mode):
             for fg in ctx.groups:
                 self._buf(fg, "local", local).copy_(fg.grad)
         self._inflight.append(_Step(index=self.t, slot=slot, local=local, handles=handles, finite=finite,
+                                    absent=absent,
                                     hyper=[hyper(g) for g in ctx.optimizer.param_groups],
                                     unscale=None if inp.backward_scale is None else 1.0 / inp.backward_scale,
+                                    scaled=scaled,
                                     max_norm=inp.max_norm))
         self.t += 1
         self._arm()
@@ -209,9 +228,18 @@ class DSyncMode(Mode):
             self._inflight.popleft()
             avgs = [self._buf(fg, "avg", s.slot) for fg in ctx.groups]
             total = sidechannel.read(self._presence[s.slot])
-            if total[-1] > 0:
+            if total[_GRADS] > 0:
+                raise RuntimeError(
+                    f"osp: under DSync the gradients were changed in place or replaced between backward() and "
+                    f"step() on some rank (step {s.index}), e.g. by torch.nn.utils.clip_grad_norm_ or p.grad.mul_(); "
+                    "DSync starts averaging them during backward, so the change cannot reach the average and the "
+                    "exact update would silently differ. Clip with opt.clip_grad_norm_(max_norm) (exact: by the "
+                    "norm of the average), scale the loss instead of the gradients, or use osp.OSP() / osp.BSP()")
+            if total[_PARAMS] > 0:
                 raise edited_error("DSync")
-            ctx.scale_grads(s.unscale, avgs)
+            if s.unscale is not None:
+                for fg, lo, hi, _ in self.buckets.buckets[:s.scaled]:
+                    self._buf(fg, "avg", s.slot)[lo:hi].mul_(s.unscale)
             if ctx.any_nonfinite(avgs):
                 skipped += 1
                 continue
@@ -221,6 +249,7 @@ class DSyncMode(Mode):
             for i, (snap, fg) in enumerate(zip(self._snap, ctx.groups)):
                 snap.hyper = s.hyper[fg.group_index]
                 snap.step = self._count[i] + 1
+                snap.absent = absent[i]
             # parameters without a gradient on any rank keep their values from before the step
             held = [self.corrector.hold_from(snap, a) for snap, a in zip(self._snap, absent) if a]
             self.corrector.correct(list(zip(self._snap, avgs)))
@@ -244,7 +273,7 @@ class DSyncMode(Mode):
             if not s.finite:
                 continue
             items = [(fg, self._buf(fg, "local", s.local)) for fg in self.ctx.groups]
-            self.corrector.replay(items, s.hyper, [c + n + 1 for c in self._count])
+            self.corrector.replay(items, s.hyper, [c + n + 1 for c in self._count], s.absent)
             n += 1
         return n
 

@@ -336,6 +336,10 @@ class OSPMode(Mode):
         crits = [self._crit(gi) for gi in range(len(ctx.groups))]
         deferreds = [self._deferred(gi) for gi in range(len(ctx.groups))]  # before _cur flips
         stale = inp.grads_changed or self._stale()
+        # buckets packed during backward hold the gradients as backward left them (scaled, for a
+        # GradScaler); those packed from here on (all of them while "auto" times the network, or when
+        # packed again) are packed after the unscale below
+        packed_scaled = bool(self._packed)
         try:
             for fg in ctx.groups:
                 fg.gather_grads()
@@ -358,7 +362,7 @@ class OSPMode(Mode):
         clip = inp.max_norm is not None
         iteration = self._t_ends[-1] - self._t_ends[-2] if len(self._t_ends) == 2 else 0.0
         for attempt in range(2):
-            if not packed_now:  # packed from the gradients as backward left them: unscale here
+            if packed_scaled and not packed_now:  # packed from the gradients as backward left them
                 ctx.scale_grads(inp.unscale, deferreds)
             sidechannel.encode(
                 self._side, ctx.nonfinite(), self._checksum(plan.mask),
@@ -388,7 +392,10 @@ class OSPMode(Mode):
             raise edited_error("OSP")
         # stage 2: the deferred blocks, averaged behind the next forward and backward
         absent = ctx.absent_everywhere(side.presence)
-        launch2 = [] if side.nonfinite else [gi for gi, d in enumerate(deferreds) if d.numel() or (clip and deferring)]
+        # with clipping, or an optimizer that reads every parameter (the corrector's ``whole``), the
+        # correction redoes the update of every group, not only of those with deferred blocks
+        redo_all = deferring and (clip or self.corrector.whole)
+        launch2 = [] if side.nonfinite else [gi for gi, d in enumerate(deferreds) if d.numel() or redo_all]
         # a sum, divided when it lands: Horovod never fuses it with stage 1's averages (their scale
         # factors differ), which start from the backward hooks while it runs; a fusion would make the
         # reduction order, hence the rounding, depend on timing
@@ -412,7 +419,7 @@ class OSPMode(Mode):
         scoring = self.budget.needs_scores or self.scores is not None and deferring
         for gi, (fg, crit) in enumerate(zip(ctx.groups, crits)):
             mask = self._group_mask(gi)
-            if not packed_now:
+            if packed_scaled and not packed_now:
                 ctx.scale_grads(inp.unscale, [crit])
             ops.merge_blocks(crit, None, mask, fg.block_size, fg.grad)
             if scoring:
@@ -501,6 +508,8 @@ class OSPMode(Mode):
                 ops.merge_blocks(None, d.avg, d.mask, d.snap.fg.block_size, d.full)
                 d.full.mul_(coef)
             items = [(d.snap, d.full) for d in self._pending]
+        for d in self._pending:
+            d.snap.absent = d.absent
         held = [self.corrector.hold(d.snap.fg, d.absent) for d in self._pending if d.absent]
         self.corrector.correct(items, keep=False)  # the snapshots are dropped below
         self.corrector.restore(held)

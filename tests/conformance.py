@@ -1,0 +1,619 @@
+"""The conformance tables and their one-rank oracle (tests/test_conformance.py, docs: README "Works with").
+
+A case is one value from each table: a mode setting (``MODES``), a loop pattern as users write it
+(``PATTERNS``), an optimizer (``OPTIMIZERS``) and a parameter dtype (``DTYPES``). ``run_case`` runs the
+pattern's loop twice from the same seed, once with plain ``torch.optim`` and once with the optimizer
+wrapped by osp on one rank (in this process), where every average is the rank's own gradient, so
+osp must equal ``torch.optim``: after every step (the parameters the next forward computes with) and,
+after ``flush()``, in parameters and optimizer state. Its outcome is one of
+
+- ``bitwise``: every compared tensor equal bit for bit;
+- ``ulp``: within the documented bound (``tolerance``): per step, ``ULPS`` ulps of the tensor's scale;
+- ``refused``: osp raised, and ``REFUSED`` says this pattern is refused under this mode (a clear error
+  at the step where the loop does what the mode cannot do exactly);
+- ``torch-refuses``: plain ``torch.optim`` raised too (e.g. GradScaler with fp16 parameters), and so did osp;
+- ``torch-nonfinite``: plain ``torch.optim`` wrote inf or nan into the parameters (Adam's eps underflows in
+  fp16); osp skips such steps on every rank instead (README), and equals torch up to that step;
+- anything else is a failure the oracle names: ``differs`` (a silent difference) or ``error``.
+
+The tables are what the tests generate from: ``pairwise`` covers every pair of values of the four
+tables at least once, so combinations nobody listed are covered by construction.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import random
+import warnings
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+import osp
+
+STEPS = 7
+BUCKET_MB = 0.0004  # ~100 fp32 elements: several buckets, bucket boundaries inside parameters
+BLOCK = 16  # parameters of 13, 65, 91 and 169 elements: blocks straddle parameters and buckets
+
+# -- modes: every setting that takes another code path --------------------------------------------
+
+
+def _auto_state(phase: str, fraction: float, in_phase: int = 0) -> dict:
+    """A budget state for ``OSP("auto")`` already past its measurements (one rank cannot show a slow
+    network): ``phase`` with ``fraction`` of the blocks critical."""
+    shares = {"bsp": 1.0}
+    if phase in ("model", "small", "deciding", "settled") and fraction < 1.0:
+        shares["model"] = fraction
+    return {"budget": {"steps": 4, "bw": 1e8, "fraction": fraction, "phase": phase, "model": fraction,
+                       "backward": [1e-3, 1e-3], "shares": shares,
+                       "iterations": {"bsp": [1.0, 1.0], "model": [], "small": []},
+                       "counts_for": None, "in_phase": in_phase}, "size": 1, "scores": None}
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    make: Callable[[], osp.modes.base.Options]
+    #: called once after wrapping (e.g. to put ``auto`` into one of its phases)
+    prepare: Optional[Callable[[osp.DistributedOptimizer], None]] = None
+    closure: bool = False  # step(closure) (HSP)
+
+    @property
+    def family(self) -> str:
+        return self.name.split("-")[0]
+
+
+def _phase(phase, fraction, in_phase=0):
+    return lambda opt: opt.mode.load_state_dict(_auto_state(phase, fraction, in_phase))
+
+
+MODES: Dict[str, Mode] = {m.name: m for m in [
+    Mode("bsp", lambda: osp.BSP(bucket_mb=BUCKET_MB)),
+    Mode("osp-0.25", lambda: osp.OSP(0.25, block_size=BLOCK, bucket_mb=BUCKET_MB)),
+    Mode("osp-0.0", lambda: osp.OSP(0.0, block_size=BLOCK, bucket_mb=BUCKET_MB)),
+    Mode("osp-1.0", lambda: osp.OSP(1.0, block_size=BLOCK, bucket_mb=BUCKET_MB)),
+    # auto through its phases: warm-up (stage 1 at step()), then its own way to BSP on one rank
+    Mode("osp-auto", lambda: osp.OSP("auto", block_size=BLOCK, bucket_mb=BUCKET_MB)),
+    Mode("osp-auto-warmup", lambda: osp.OSP("auto", warmup=STEPS + 2, block_size=BLOCK, bucket_mb=BUCKET_MB)),
+    # the trials (model, small, deciding, settled within the run) and settled on deferring
+    Mode("osp-auto-trials", lambda: osp.OSP("auto", block_size=BLOCK, bucket_mb=BUCKET_MB),
+         prepare=_phase("model", 0.4)),
+    Mode("osp-auto-deferring", lambda: osp.OSP("auto", block_size=BLOCK, bucket_mb=BUCKET_MB),
+         prepare=_phase("settled", 0.3)),
+    Mode("dsync-1", lambda: osp.DSync(delay=1, bucket_mb=BUCKET_MB)),
+    Mode("dsync-2", lambda: osp.DSync(delay=2, bucket_mb=BUCKET_MB)),
+    Mode("dsync-3", lambda: osp.DSync(delay=3, bucket_mb=BUCKET_MB)),
+    Mode("dsync-auto", lambda: osp.DSync(delay="auto", max_delay=3, bucket_mb=BUCKET_MB)),
+    Mode("hsp", lambda: osp.HSP(max_extra=2)),
+    Mode("hsp-closure", lambda: osp.HSP(max_extra=2), closure=True),
+]}
+
+# -- optimizers: every per-parameter optimizer of torch.optim, and one that reads the whole group ----
+
+
+class GroupNormSGD(torch.optim.Optimizer):
+    """A custom optimizer whose update of each parameter depends on all of its group's gradients (as
+    LARS/LAMB-style global-norm optimizers do): SGD with the gradient scaled by 1 / (1 + ||g_group||)."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            grads = [p.grad for p in group["params"] if p.grad is not None]
+            if not grads:
+                continue
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                st["count"] = st.get("count", 0) + 1
+                p.add_(p.grad / (1.0 + norm).to(p.dtype), alpha=-group["lr"])
+
+
+O = torch.optim
+# eps=1e-4 for the Adam family: torch's 1e-8 underflows in fp16 (fp16's smallest normal is 6e-5), and the
+# trajectories of plain torch.optim then blow up, with nothing left to compare
+OPTIMIZERS: Dict[str, Callable] = {
+    "sgd": lambda ps: O.SGD(ps, lr=0.1),
+    "sgd-momentum": lambda ps: O.SGD(ps, lr=0.1, momentum=0.9),
+    "sgd-nesterov-wd": lambda ps: O.SGD(ps, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-2),
+    "sgd-dampening-maximize": lambda ps: O.SGD(ps, lr=0.05, momentum=0.8, dampening=0.3, maximize=True),
+    "sgd-foreach": lambda ps: O.SGD(ps, lr=0.1, momentum=0.9, foreach=True),
+    "sgd-fused": lambda ps: O.SGD(ps, lr=0.1, momentum=0.9, fused=True),
+    "adam": lambda ps: O.Adam(ps, lr=1e-2, eps=1e-4),
+    "adam-amsgrad": lambda ps: O.Adam(ps, lr=1e-2, eps=1e-4, amsgrad=True, weight_decay=1e-2),
+    "adam-foreach": lambda ps: O.Adam(ps, lr=1e-2, eps=1e-4, foreach=True),
+    "adam-fused": lambda ps: O.Adam(ps, lr=1e-2, eps=1e-4, fused=True),
+    "adamw": lambda ps: O.AdamW(ps, lr=1e-2, eps=1e-4, weight_decay=0.1),
+    "adamw-amsgrad": lambda ps: O.AdamW(ps, lr=1e-2, eps=1e-4, amsgrad=True),
+    "adamw-fused": lambda ps: O.AdamW(ps, lr=1e-2, eps=1e-4, fused=True),
+    "nadam": lambda ps: O.NAdam(ps, lr=1e-2, eps=1e-4),
+    "radam": lambda ps: O.RAdam(ps, lr=1e-2, eps=1e-4),
+    "adamax": lambda ps: O.Adamax(ps, lr=1e-2, eps=1e-4),
+    "adagrad": lambda ps: O.Adagrad(ps, lr=5e-2),
+    "adadelta": lambda ps: O.Adadelta(ps, lr=1.0),
+    "rmsprop": lambda ps: O.RMSprop(ps, lr=1e-2, momentum=0.5),
+    "rprop": lambda ps: O.Rprop(ps, lr=1e-2),
+    "asgd": lambda ps: O.ASGD(ps, lr=5e-2),
+    "group-norm-sgd": lambda ps: GroupNormSGD(ps, lr=0.1),
+}
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+#: (optimizer, dtype) whose optimizer state torch itself does not compute deterministically: torch's CPU
+#: fused SGD in fp16/bf16 leaves a few momentum elements different between identical runs (three plain
+#: torch runs of the same case differ there; the parameters do not). Only parameters are compared.
+NONDETERMINISTIC_STATE = {("sgd-fused", "fp16"), ("sgd-fused", "bf16")}
+ULPS = 2  # per step, ulps of the tensor's scale (README: Adam's sqrt and fp16/bf16 tails differ by 1)
+
+
+# -- the model and the loop environment --------------------------------------------------------------
+
+class Net(torch.nn.Module):
+    """Parameters of 91, 13, 169, 65 and 5 elements (none a multiple of the block size), a branch some
+    loops take on some steps only, and a parameter some loops never use."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(7, 13)
+        self.branch = torch.nn.Linear(13, 13, bias=False)
+        self.b = torch.nn.Linear(13, 5)
+        self.unused = torch.nn.Parameter(torch.randn(3))
+        self.to(dtype)
+
+    def forward(self, x, branch=True):
+        h = torch.tanh(self.a(x))
+        if branch:
+            h = h + torch.tanh(self.branch(h))
+        return self.b(h)
+
+
+class Env:
+    """One run of a loop: the model, the (wrapped or plain) optimizer, and the calls a pattern makes,
+    each doing what the user would write with plain torch.optim or with osp."""
+
+    def __init__(self, case: "Case", wrapped: bool, steps: int = STEPS):
+        self.case, self.wrapped, self.steps = case, wrapped, steps
+        self.dtype = DTYPES[case.dtype]
+        self.pattern = PATTERNS[case.pattern]
+        self.mode = MODES[case.mode]
+        self.bpps = self.pattern.bpps
+        self.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if self.pattern.scaler else None
+        self.build()
+
+    def build(self) -> None:
+        self.model = Net(self.dtype)
+        groups = self.pattern.groups(self.model)
+        self.inner = OPTIMIZERS[self.case.optimizer](groups)
+        if self.wrapped:
+            self.opt = osp.DistributedOptimizer(self.inner, self.model.named_parameters(), sync=self.mode.make(),
+                                                backend="torch", backward_passes_per_step=self.bpps, timeout=60)
+            if self.mode.prepare is not None:
+                self.mode.prepare(self.opt)
+        else:
+            self.opt = self.inner
+        self.sched = self.pattern.scheduler(self.opt) if self.pattern.scheduler else None
+
+    def data(self, t: int, micro: int = 0):
+        g = torch.Generator().manual_seed(1000 * t + micro)
+        x = torch.randn(6, 7, generator=g).to(self.dtype)
+        y = torch.randn(6, 5, generator=g)
+        return x, y
+
+    def loss(self, t: int, micro: int = 0, branch: bool = True, factor: float = 1.0):
+        x, y = self.data(t, micro)
+        out = self.model(x, branch=branch).float()
+        loss = ((out - y) ** 2).mean() * factor
+        if self.pattern.use_unused:
+            loss = loss + (self.model.unused.float() ** 2).sum() * 0.1
+        return loss
+
+    def backward(self, t: int, micro: int = 0, **kw) -> None:
+        loss = self.loss(t, micro, **kw)
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.opt.zero_grad(set_to_none=set_to_none)
+
+    def clip_torch(self, m: float) -> None:
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), m)
+
+    def clip(self, m: float) -> None:
+        """Clip by the norm of the averaged gradient: osp's own, torch's on the plain optimizer."""
+        if self.wrapped:
+            self.opt.clip_grad_norm_(m)
+        else:
+            self.clip_torch(m)
+
+    def step(self, t: int) -> None:
+        if self.scaler is not None:
+            self.scaler.step(self.opt)
+            self.scaler.update()
+        elif self.wrapped and self.mode.closure:
+            self.opt.step(lambda: self.backward(t, micro=99))
+        else:
+            self.opt.step()
+        if self.sched is not None:
+            self.sched.step()
+
+    def flush(self) -> None:
+        if self.wrapped:
+            self.opt.flush()
+
+    def reload(self) -> None:
+        """A state_dict round trip: save the model and optimizer, build both anew, load them."""
+        self.flush()
+        model_sd = {k: v.clone() for k, v in self.model.state_dict().items()}
+        opt_sd = self.opt.state_dict()
+        sched_sd = self.sched.state_dict() if self.sched else None
+        scaler_sd = self.scaler.state_dict() if self.scaler else None
+        self.build()
+        self.model.load_state_dict(model_sd)
+        self.opt.load_state_dict(opt_sd)
+        if sched_sd is not None:
+            self.sched.load_state_dict(sched_sd)
+        if scaler_sd is not None:
+            self.scaler.load_state_dict(scaler_sd)
+
+    def params(self) -> List[torch.Tensor]:
+        return [p.detach().clone() for p in self.model.parameters()]
+
+    def state(self) -> List[Tuple[str, torch.Tensor]]:
+        """The optimizer's state, per parameter in model order, as (name, tensor) pairs."""
+        out = []
+        st = self.opt.state
+        for name, p in self.model.named_parameters():
+            for k, v in sorted((st.get(p) or {}).items()):
+                v = v if torch.is_tensor(v) else torch.tensor(float(v))
+                out.append((f"{name}.{k}", v.detach().clone()))
+        return out
+
+
+# -- loop patterns --------------------------------------------------------------------------------
+
+def _plain_groups(model):
+    return list(model.parameters())
+
+
+@dataclass(frozen=True)
+class Pattern:
+    name: str
+    body: Callable[[Env, int], None]  # one iteration of the loop at step t
+    bpps: int = 1
+    scaler: bool = False
+    use_unused: bool = False
+    groups: Callable = _plain_groups
+    scheduler: Optional[Callable] = None
+
+
+def _plain(env, t):
+    env.zero_grad()
+    env.backward(t)
+    env.step(t)
+
+
+def _accumulate(env, t):
+    env.zero_grad()
+    for k in range(env.bpps):
+        env.backward(t, micro=k)
+    env.step(t)
+
+
+def _clip_torch(env, t):
+    env.zero_grad()
+    env.backward(t)
+    env.clip_torch(0.05)
+    env.step(t)
+
+
+def _clip_opt(env, t):
+    env.zero_grad()
+    env.backward(t)
+    env.clip(0.05)
+    env.step(t)
+
+
+def _grad_inplace(env, t):
+    env.zero_grad()
+    env.backward(t)
+    for i, p in enumerate(env.model.parameters()):
+        if p.grad is not None:
+            p.grad.mul_(0.5 + 0.1 * i)
+    env.step(t)
+
+
+def _grad_replaced(env, t):
+    env.zero_grad()
+    env.backward(t)
+    for i, p in enumerate(env.model.parameters()):
+        if p.grad is not None:
+            p.grad = p.grad * (0.5 + 0.1 * i)
+    env.step(t)
+
+
+def _scaler_overflow(env, t):
+    env.zero_grad()
+    env.backward(t, factor=math.inf if t == 2 else 1.0)
+    env.step(t)
+
+
+def _scaler_unscale_clip(env, t):
+    env.zero_grad()
+    env.backward(t, factor=math.inf if t == 3 else 1.0)
+    env.scaler.unscale_(env.opt)
+    env.clip(0.05)
+    env.step(t)
+
+
+def _sometimes(env, t):
+    env.zero_grad()
+    env.backward(t, branch=t % 3 == 1)
+    env.step(t)
+
+
+def _freeze(env, t):
+    if t == 2:
+        env.model.branch.weight.requires_grad_(False)
+        env.model.a.bias.requires_grad_(False)
+    if t == 5:
+        env.model.branch.weight.requires_grad_(True)
+        env.model.a.bias.requires_grad_(True)
+    _plain(env, t)
+
+
+def _zero_false(env, t):
+    env.zero_grad(set_to_none=False)
+    env.backward(t)
+    env.step(t)
+
+
+def _flush_reload(env, t):
+    if t == 3:
+        env.reload()
+    _plain(env, t)
+
+
+def _flush_mid(env, t):
+    _plain(env, t)
+    if t in (2, 3):
+        env.flush()
+
+
+def _edit(flush):
+    def body(env, t):
+        _plain(env, t)
+        if t == 2:
+            if flush:
+                env.flush()
+            with torch.no_grad():
+                env.model.a.weight.clamp_(-0.2, 0.2)
+    return body
+
+
+def _reset_world(env, t):
+    if t == 3 and env.wrapped:
+        env.opt.flush()
+        env.opt.reset_world()
+    _plain(env, t)
+
+
+def _two_groups(model):
+    return [{"params": [model.a.weight, model.branch.weight], "lr": 0.02},
+            {"params": [model.a.bias, model.b.weight, model.b.bias, model.unused], "weight_decay": 0.01}]
+
+
+def _step_lr(opt):
+    return torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+
+
+def _tensor_lr_groups(model):
+    return [{"params": list(model.parameters()), "lr": torch.tensor(0.02)}]
+
+
+PATTERNS: Dict[str, Pattern] = {p.name: p for p in [
+    Pattern("plain", _plain),
+    Pattern("accumulate-2", _accumulate, bpps=2),
+    Pattern("accumulate-3", _accumulate, bpps=3),
+    Pattern("clip-torch", _clip_torch),
+    Pattern("clip-opt", _clip_opt),
+    Pattern("grad-inplace", _grad_inplace),
+    Pattern("grad-replaced", _grad_replaced),
+    Pattern("scaler", _plain, scaler=True),
+    Pattern("scaler-overflow", _scaler_overflow, scaler=True),
+    Pattern("scaler-unscale-clip", _scaler_unscale_clip, scaler=True),
+    Pattern("unused-param", _plain),
+    Pattern("unused-param-in-loss", _plain, use_unused=True),
+    Pattern("branch-sometimes", _sometimes),
+    Pattern("freeze-unfreeze", _freeze),
+    Pattern("param-groups", _plain, groups=_two_groups),
+    Pattern("lr-scheduler", _plain, scheduler=_step_lr),
+    Pattern("tensor-lr-scheduler", _plain, groups=_tensor_lr_groups, scheduler=_step_lr),
+    Pattern("zero-grad-keep", _zero_false),
+    Pattern("flush-mid-run", _flush_mid),
+    Pattern("state-dict-round-trip", _flush_reload),
+    Pattern("edit-after-flush", _edit(True)),
+    Pattern("edit-unflushed", _edit(False)),
+    Pattern("reset-world", _reset_world),
+]}
+
+#: (mode family or name, pattern) -> the error osp raises by design, a regex of its message
+REFUSED: Dict[Tuple[str, str], str] = {}
+for _m in ("osp-0.25", "osp-0.0", "osp-auto-trials", "osp-auto-deferring", "dsync-1", "dsync-2", "dsync-3",
+           "dsync-auto"):
+    REFUSED[(_m, "edit-unflushed")] = "parameters were changed between steps"
+for _m in ("dsync-1", "dsync-2", "dsync-3", "dsync-auto"):
+    for _p in ("clip-torch", "grad-inplace", "grad-replaced"):
+        REFUSED[(_m, _p)] = "gradients were changed in place or replaced between backward"
+for _p in ("scaler", "scaler-overflow", "scaler-unscale-clip"):
+    REFUSED[("dsync-auto", _p)] = "cannot take a GradScaler"
+
+
+def refusal(mode: str, pattern: str) -> Optional[str]:
+    return REFUSED.get((mode, pattern))
+
+
+# -- the oracle ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Case:
+    mode: str
+    pattern: str
+    optimizer: str
+    dtype: str = "fp32"
+
+    @property
+    def id(self) -> str:
+        return f"{self.mode}|{self.pattern}|{self.optimizer}|{self.dtype}"
+
+
+@dataclass
+class Outcome:
+    kind: str  # bitwise, ulp, refused, torch-refuses, differs, error
+    detail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.kind in ("bitwise", "ulp", "refused", "torch-refuses", "torch-nonfinite")
+
+
+def _trace(env: Env) -> Tuple[List[List[torch.Tensor]], Optional[BaseException], int]:
+    """Run the loop; the parameters after every step, the error that stopped it and at which step."""
+    out = []
+    for t in range(env.steps):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                env.pattern.body(env, t)
+        except Exception as e:  # noqa: BLE001 - the oracle classifies it
+            return out, e, t
+        out.append(env.params())
+    try:
+        env.flush()
+    except Exception as e:  # noqa: BLE001
+        return out, e, env.steps
+    return out, None, env.steps
+
+
+def tolerance(ref: torch.Tensor, steps: int) -> float:
+    """The documented bound after ``steps`` steps: ``ULPS`` ulps of the tensor's scale per step."""
+    scale = float(ref.detach().abs().max()) if ref.numel() else 0.0
+    return ULPS * steps * torch.finfo(ref.dtype).eps * max(scale, 1e-3) if ref.is_floating_point() else 0.0
+
+
+def compare(a: torch.Tensor, b: torch.Tensor, steps: int) -> Tuple[bool, float]:
+    """(bitwise equal, within tolerance); nan where ``b`` has nan must be nan in ``a`` too."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False, False
+    if torch.equal(a, b) or (a.is_floating_point() and torch.equal(a.isnan(), b.isnan())
+                             and torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))):
+        return True, True
+    if not a.is_floating_point():
+        return False, False
+    diff = (a.double() - b.double()).abs().nan_to_num(math.inf)
+    return False, float(diff.max()) <= tolerance(b, steps)
+
+
+def run_case(case: Case) -> Outcome:
+    ref_env = Env(case, wrapped=False)
+    ref, ref_err, _ = _trace(ref_env)
+    try:
+        env = Env(case, wrapped=True)
+    except Exception as e:  # noqa: BLE001
+        return _refused_or_error(case, e, ref_err, 0)
+    got, err, at = _trace(env)
+    if ref_err is not None:
+        if err is not None:
+            return Outcome("torch-refuses", f"torch: {ref_err!r}; osp: {err!r}")
+        return Outcome("differs", f"torch raised {ref_err!r}, osp did not")
+    blown = next((t for t, ps in enumerate(ref) if not all(bool(p.isfinite().all()) for p in ps)), None)
+    if blown is not None:
+        # plain torch.optim wrote inf/nan into the parameters (e.g. Adam's eps underflows in fp16); osp
+        # skips a step with a non-finite gradient on every rank instead (README): compare up to there
+        ref, got = ref[:blown], got[:blown]
+        if err is None and len(got) == blown:
+            return _compare_steps(got, ref) or Outcome("torch-nonfinite", f"torch's parameters non-finite "
+                                                                          f"after step {blown}")
+    if err is not None:
+        return _refused_or_error(case, err, None, at)
+    early = _compare_steps(got, ref)
+    if early is not None:
+        return early
+    bitwise = all(torch.equal(a, b) for pa, pb in zip(got, ref) for a, b in zip(pa, pb))
+    with_state = (case.optimizer, case.dtype) not in NONDETERMINISTIC_STATE
+    final = ([("param", p) for p in env.params()] + (env.state() if with_state else []),
+             [("param", p) for p in ref_env.params()] + (ref_env.state() if with_state else []))
+    if [k for k, _ in final[0]] != [k for k, _ in final[1]]:
+        return Outcome("differs", f"optimizer state keys {[k for k, _ in final[0]]} != "
+                                  f"{[k for k, _ in final[1]]}")
+    for (k, a), (_, b) in zip(*final):
+        if a.dtype != b.dtype:
+            a = a.to(b.dtype)
+        eq, close = compare(a, b, env.steps)
+        bitwise &= eq
+        if not close:
+            return Outcome("differs", f"after flush, {k}: {a.flatten()[:4].tolist()} != {b.flatten()[:4].tolist()}")
+    if case.pattern.startswith("scaler") and ref_env.scaler.get_scale() != env.scaler.get_scale():
+        return Outcome("differs", f"loss scale {env.scaler.get_scale()} != {ref_env.scaler.get_scale()}")
+    return Outcome("bitwise" if bitwise else "ulp")
+
+
+def _compare_steps(got, ref) -> Optional[Outcome]:
+    """A ``differs`` outcome naming the first parameter outside the bound after some step, or None."""
+    for t, (pa, pb) in enumerate(zip(got, ref)):
+        for i, (a, b) in enumerate(zip(pa, pb)):
+            if not compare(a, b, t + 1)[1]:
+                return Outcome("differs", f"parameter {i} after step {t}: max abs diff "
+                                          f"{(a.double() - b.double()).abs().max().item():.3g}, "
+                                          f"bound {tolerance(b, t + 1):.3g}")
+    return None
+
+
+def _refused_or_error(case: Case, err: BaseException, ref_err, at: int) -> Outcome:
+    import re
+    if ref_err is not None:
+        return Outcome("torch-refuses", f"torch: {ref_err!r}; osp: {err!r}")
+    want = refusal(case.mode, case.pattern)
+    if want is not None and re.search(want, str(err)):
+        return Outcome("refused", f"at step {at}: {str(err)[:120]}")
+    return Outcome("error", f"at step {at}: {type(err).__name__}: {err}")
+
+
+# -- generating cases -------------------------------------------------------------------------------
+
+def pairwise(tables: List[List[str]], seed: int = 0) -> List[Tuple[str, ...]]:
+    """Rows covering every pair of values of every two tables at least once (greedy, deterministic)."""
+    rng = random.Random(seed)
+    uncovered = {(i, a, j, b) for i, j in itertools.combinations(range(len(tables)), 2)
+                 for a in tables[i] for b in tables[j]}
+    rows = []
+    while uncovered:
+        i, a, j, b = min(uncovered)
+        best, gain = None, -1
+        for _ in range(40):
+            row = [rng.choice(t) for t in tables]
+            row[i], row[j] = a, b
+            g = sum((x, row[x], y, row[y]) in uncovered for x, y in itertools.combinations(range(len(tables)), 2))
+            if g > gain:
+                best, gain = row, g
+        rows.append(tuple(best))
+        uncovered -= {(x, best[x], y, best[y]) for x, y in itertools.combinations(range(len(tables)), 2)}
+    return rows
+
+
+def pairwise_cases() -> List[Case]:
+    rows = pairwise([sorted(MODES), sorted(PATTERNS), sorted(OPTIMIZERS), sorted(DTYPES)])
+    return [Case(*r) for r in rows]
+
+
+def mode_pattern_cases(optimizers=("sgd-momentum", "adamw")) -> List[Case]:
+    """Every mode with every pattern, for the optimizers with fused kernels."""
+    return [Case(m, p, o) for m in MODES for p in PATTERNS for o in optimizers]
+
+
+def mode_optimizer_cases() -> List[Case]:
+    """Every mode with every optimizer on the plain loop and on the loops that stress corrections."""
+    return [Case(m, p, o) for m in MODES for o in OPTIMIZERS for p in ("plain", "branch-sometimes", "clip-opt")]

@@ -1,0 +1,45 @@
+"""Oracle 1, generated: with one rank every mode equals plain torch.optim, in every loop pattern, for every
+optimizer and dtype, or refuses by design (tests/conformance.py holds the tables and the oracle).
+
+The cases come from the tables, not from a list of scenarios: every mode with every pattern for the two
+optimizers with fused kernels, every mode with every optimizer on the loops that exercise the
+corrections, and a pairwise-covering sample of all four tables (every pair of values of mode, pattern,
+optimizer and dtype at least once). ``python tests/conformance_report.py`` prints the counts by class.
+"""
+import pytest
+
+import conformance as C
+
+CASES = sorted(set(C.mode_pattern_cases()) | set(C.mode_optimizer_cases()) | set(C.pairwise_cases()),
+               key=lambda c: c.id)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_one_rank_equals_torch_optim(one_rank, case):
+    out = C.run_case(case)
+    assert out.ok, f"{case.id}: {out.kind}: {out.detail}"
+    want = C.refusal(case.mode, case.pattern)
+    if want is not None and out.kind != "torch-refuses":
+        assert out.kind == "refused", f"{case.id}: expected a refusal ({want!r}), got {out.kind}"
+
+
+def test_pairwise_covers_every_pair():
+    """The generator's promise, checked: every pair of values of two tables is in some row."""
+    tables = [sorted(C.MODES), sorted(C.PATTERNS), sorted(C.OPTIMIZERS), sorted(C.DTYPES)]
+    rows = C.pairwise(tables)
+    for i in range(4):
+        for j in range(i + 1, 4):
+            seen = {(r[i], r[j]) for r in rows}
+            assert len(seen) == len(tables[i]) * len(tables[j])
+
+
+def test_the_oracle_sees_a_wrong_update(one_rank, monkeypatch):
+    """The oracle can fail: a correction that applies the average times 1.001 is a difference it names."""
+    import osp.correction as corr
+    real = corr.Generic._correct_generic
+
+    def skewed(self, items):
+        return real(self, [(s, a * 1.001) for s, a in items])
+    monkeypatch.setattr(corr.Generic, "_correct_generic", skewed)
+    out = C.run_case(C.Case("dsync-2", "plain", "rmsprop"))
+    assert out.kind == "differs", out

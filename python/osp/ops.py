@@ -150,15 +150,37 @@ def unpack_blocks(
         ref_unpack_blocks(buf, block_ids, block_size, flat, accumulate)
 
 
+def _check_packed(op: str, flat: torch.Tensor, block_size: int, deferred_blocks: Optional[int],
+                  critical: Optional[torch.Tensor], deferred: Optional[torch.Tensor]) -> None:
+    """The packed buffers' lengths against the blocks the caller knows the mask sets (``deferred_blocks``
+    unset, the rest set), on the host and without a device sync. The CPU kernels check the lengths
+    against the mask itself; the CUDA kernels cannot without a sync and stop at a buffer's end, so a
+    sizing bug would leave blocks silently unpacked or uncorrected there."""
+    if deferred_blocks is None:
+        return
+    nb = flat.numel() // block_size
+    if flat.numel() % block_size or not 0 <= deferred_blocks <= nb:
+        raise RuntimeError(f"osp: {op}: expected a flat buffer of whole blocks with {deferred_blocks} deferred, "
+                           f"got {flat.numel()} elements in blocks of {block_size}")
+    for name, buf, blocks in (("critical", critical, nb - deferred_blocks), ("deferred", deferred, deferred_blocks)):
+        if buf is not None and buf.numel() != blocks * block_size:
+            raise RuntimeError(f"osp: {op}: the {name} buffer must hold {blocks} blocks of {block_size} "
+                               f"({blocks * block_size} elements), got {buf.numel()} elements")
+
+
 def split_blocks(
     flat: torch.Tensor, mask: torch.Tensor, block_size: int,
     critical: Optional[torch.Tensor] = None, deferred: Optional[torch.Tensor] = None,
+    deferred_blocks: Optional[int] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """One pass over ``flat``: blocks with ``mask`` set go to ``critical``, the others to
     ``deferred``, each in ascending block order. With neither output given both are allocated (which
-    costs a device sync on CUDA, to size them); with one given, the other side is skipped (None)."""
+    costs a device sync on CUDA, to size them); with one given, the other side is skipped (None).
+    ``deferred_blocks``: how many blocks the mask leaves unset, where the caller knows it: the buffers'
+    lengths are then checked against it (on every device, without a sync)."""
     _check_block_size(block_size)
     _check_dense(flat, "flat")
+    _check_packed("split_blocks", flat, block_size, deferred_blocks, critical, deferred)
     if critical is None and deferred is None:
         nc, nd = mask_numels(flat.numel(), mask, block_size)
         critical, deferred = flat.new_empty(nc), flat.new_empty(nd)
@@ -171,10 +193,12 @@ def split_blocks(
 
 def merge_blocks(
     critical: Optional[torch.Tensor], deferred: Optional[torch.Tensor], mask: torch.Tensor,
-    block_size: int, flat: torch.Tensor,
+    block_size: int, flat: torch.Tensor, deferred_blocks: Optional[int] = None,
 ) -> None:
-    """Inverse of :func:`split_blocks`, in place on ``flat``; a ``None`` side is left untouched."""
+    """Inverse of :func:`split_blocks`, in place on ``flat``; a ``None`` side is left untouched
+    (``deferred_blocks`` as there)."""
     _check_block_size(block_size)
+    _check_packed("merge_blocks", flat, block_size, deferred_blocks, critical, deferred)
     if _use_extension():
         torch.ops.osp.merge_blocks(critical, deferred, mask, block_size, flat)
     else:
@@ -200,15 +224,17 @@ def sgd_step_into_(
     param: torch.Tensor, momentum_buffer: Optional[torch.Tensor], snap_param: torch.Tensor,
     snap_momentum: Optional[torch.Tensor], grad: torch.Tensor, mask: torch.Tensor, block_size: int, *,
     lr: float, momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0,
-    nesterov: bool = False, maximize: bool = False, first: bool = False,
+    nesterov: bool = False, maximize: bool = False, first: bool = False, deferred_blocks: Optional[int] = None,
 ) -> None:
     """The ``torch.optim.SGD`` step of the blocks of the flat ``param`` where ``mask`` is not set, from
     packed inputs: ``snap_param``, ``snap_momentum`` and ``grad`` hold just those blocks (as
     :func:`split_blocks` packs the deferred side). The results are written to the blocks' places in
     ``param`` and ``momentum_buffer``; the packed inputs and the other blocks are left as they are.
     Bitwise :func:`sgd_step_` on the packed buffers followed by :func:`merge_blocks` of both into
-    their flat places, in one pass."""
+    their flat places, in one pass (``deferred_blocks`` as for :func:`split_blocks`)."""
     _check_block_size(block_size)
+    for buf in (snap_param, snap_momentum, grad):
+        _check_packed("sgd_step_into_", param, block_size, deferred_blocks, None, buf)
     if _use_extension():
         torch.ops.osp.sgd_step_into_(param, momentum_buffer, snap_param, snap_momentum, grad, mask, block_size,
                                      lr, momentum, dampening, weight_decay, nesterov, maximize, first)

@@ -450,3 +450,20 @@ def test_reference_fallback_matches_kernels():
         fn(p, m, snap, snap_m, g, mask, BS, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-2)
         outs.append((p, m))
     assert_steps_match(outs[0], outs[1], torch.float32, exact=CPU_HAS_FMA)
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_packed_lengths_checked_on_the_host(device):
+    """Where the caller knows how many blocks are deferred, the wrappers check the packed buffers' lengths
+    on the host, on every device and without a sync (the CUDA kernels stop at a buffer's end instead of
+    raising, so a sizing bug would leave blocks silently unpacked or uncorrected there)."""
+    flat = torch.zeros(64, device=device)
+    mask = torch.tensor([True, False, True, False], device=device)
+    crit, short = torch.empty(32, device=device), torch.empty(16, device=device)
+    with pytest.raises(RuntimeError, match="deferred buffer must hold 2 blocks of 16"):
+        ops.split_blocks(flat, mask, 16, crit, short, deferred_blocks=2)
+    with pytest.raises(RuntimeError, match="critical buffer must hold 3 blocks"):
+        ops.merge_blocks(crit, None, mask, 16, flat, deferred_blocks=1)
+    with pytest.raises(RuntimeError, match="sgd_step_into_: the deferred buffer must hold 2 blocks"):
+        ops.sgd_step_into_(flat, None, short, None, short, mask, 16, lr=0.1, deferred_blocks=2)
+    ops.split_blocks(flat, mask, 16, crit, torch.empty(32, device=device), deferred_blocks=2)  # right lengths pass

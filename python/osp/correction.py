@@ -145,7 +145,7 @@ class Generic:
         with _stepping_only(self.optimizer) as set_grad:
             for s, avg in items:
                 fg = s.fg
-                ops.merge_blocks(None, avg, s.mask, fg.block_size, s.grad)
+                ops.merge_blocks(None, avg, s.mask, fg.block_size, s.grad, s.numel // fg.block_size)
                 self.optimizer.param_groups[fg.group_index].update(s.hyper)
                 self._restore_generic(s)
                 for i in s.touched:
@@ -284,12 +284,12 @@ class _Fused(Generic):
             return super().snapshot(fg, mask, n_deferred, step_hyper)
         ws, bs = self.workspace(fg), fg.block_size
         s = FusedSnapshot(fg=fg, mask=mask, hyper=step_hyper, numel=n_deferred, param=ws("snap.param", n_deferred))
-        ops.split_blocks(fg.param, mask, bs, None, s.param)
+        ops.split_blocks(fg.param, mask, bs, None, s.param, n_deferred // bs)
         flat = self.flat.get(id(fg), {}) if self.has_state(fg) else {}
         for key in self.state_keys(fg):
             if key in flat:
                 s.state[key] = ws("snap." + key, n_deferred)
-                ops.split_blocks(flat[key], mask, bs, None, s.state[key])
+                ops.split_blocks(flat[key], mask, bs, None, s.state[key], n_deferred // bs)
             else:
                 s.state[key] = None  # no state before this step (its first)
         s.step = self.step_count(fg) + 1
@@ -322,8 +322,9 @@ class _Fused(Generic):
                     continue
                 self._kernel(s.fg, s.param, avg, s.state, s.hyper, s.step)
                 for key, buf in s.state.items():
-                    ops.merge_blocks(None, buf, s.mask, s.fg.block_size, self.flat[id(s.fg)][key])
-                ops.merge_blocks(None, s.param, s.mask, s.fg.block_size, s.fg.param)
+                    ops.merge_blocks(None, buf, s.mask, s.fg.block_size, self.flat[id(s.fg)][key],
+                                     s.numel // s.fg.block_size)
+                ops.merge_blocks(None, s.param, s.mask, s.fg.block_size, s.fg.param, s.numel // s.fg.block_size)
         self._correct_generic(generic)
         # the generic path may leave new state tensors (a parameter's first update): link them, as the
         # group may take the kernels again next time
@@ -342,13 +343,13 @@ class _Fused(Generic):
                 self.adopt([s.fg])
                 continue
             bs = s.fg.block_size
-            ops.merge_blocks(None, s.param, s.mask, bs, s.fg.param)
+            ops.merge_blocks(None, s.param, s.mask, bs, s.fg.param, s.numel // bs)
             if any(buf is None for buf in s.state.values()):
                 for p in s.fg.params:  # the state begins after the snapshot
                     st.pop(p, None)
                 continue
             for key, buf in s.state.items():
-                ops.merge_blocks(None, buf, s.mask, bs, self.flat[id(s.fg)][key])
+                ops.merge_blocks(None, buf, s.mask, bs, self.flat[id(s.fg)][key], s.numel // bs)
 
     def replay(self, items, step_hyper, steps, absent=()):
         generic, gsteps, gabsent = [], [], []
@@ -405,7 +406,8 @@ class FusedSGD(_Fused):
         ops.sgd_step_into_(s.fg.param, self.flat[id(s.fg)]["momentum_buffer"] if momentum else None, s.param,
                            snap_mom, avg, s.mask, s.fg.block_size, lr=float(h["lr"]), momentum=momentum,
                            dampening=h["dampening"], weight_decay=h["weight_decay"], nesterov=h["nesterov"],
-                           maximize=h.get("maximize", False), first=bool(momentum) and snap_mom is None)
+                           maximize=h.get("maximize", False), first=bool(momentum) and snap_mom is None,
+                           deferred_blocks=s.numel // s.fg.block_size)
         return True
 
 

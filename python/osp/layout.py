@@ -63,14 +63,15 @@ class FlatGroup:
 
     def gather_grads(self, params=None) -> None:
         """Make the flat gradient hold the gradients of ``params`` (default: all); a missing gradient
-        counts as zeros (as in Horovod) and is noted in ``absent``. Afterwards each ``p.grad`` is its
-        alias into the flat gradient."""
+        counts as zeros (as in Horovod) and is noted in ``absent``, and stays None for the user, as torch
+        leaves it. Afterwards each other ``p.grad`` is its alias into the flat gradient."""
         for i in range(len(self.params)) if params is None else [self.index[id(p)] for p in params]:
             p, gv = self.params[i], self.grad_views[i]
             g = p.grad
             if g is None:
                 gv.zero_()
                 self.absent.add(i)
+                continue
             elif g.layout != torch.strided:
                 raise ValueError(
                     f"osp: parameter {self.names[i]!r} has a sparse gradient (layout {g.layout}); "

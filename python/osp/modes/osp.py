@@ -100,6 +100,7 @@ class _Deferred:
     mask: torch.Tensor  # the group's critical blocks of that step
     absent: set  # its parameters without a gradient on any rank that step: left alone
     full: Optional[torch.Tensor] = None  # with clipping: the whole gradient (critical blocks averaged)
+    ndeferred: int = 0  # blocks in ``avg`` (known on the host: checks the kernels' buffers without a sync)
 
 
 @dataclass
@@ -280,7 +281,7 @@ class OSPMode(Mode):
         bs, k, lo = fg.block_size, plan.counts[b], self._group_lo[gi]
         crit = self._crit(gi)[plan.crit_at[b] * bs:(plan.crit_at[b] + k) * bs]
         deferred = self._deferred(gi)[plan.deferred_at[b] * bs:(plan.deferred_at[b] + b1 - b0 - k) * bs]
-        ops.split_blocks(fg.grad[b0 * bs:b1 * bs], plan.mask[lo + b0:lo + b1], bs, crit, deferred)
+        ops.split_blocks(fg.grad[b0 * bs:b1 * bs], plan.mask[lo + b0:lo + b1], bs, crit, deferred, b1 - b0 - k)
         self._packed[b] = self._grad_version(b)
         return self.ctx.comm.allreduce_avg_async_(crit, f"{self.ctx.prefix}.s1.{b}") if k else None
 
@@ -292,7 +293,8 @@ class OSPMode(Mode):
         place between backward and step): stage 1 and 2 must then be packed again from ``.grad``."""
         for b, version in self._packed.items():
             params = self.buckets.buckets[b][3]
-            if any(p.grad is not v for p, v in zip(params, self._views[b])) or self._grad_version(b) != version:
+            if any(p.grad is not None and p.grad is not v for p, v in zip(params, self._views[b])) \
+                    or self._grad_version(b) != version:
                 return True
         return False
 
@@ -411,6 +413,11 @@ class OSPMode(Mode):
         self._packed = {}
         self._t_ready = None
         rec = {"stage2_wait_s": wait_s, "stage1_s": stage1}
+        # each rank's own gradient was finite, but the sum of the critical blocks may not be (float16):
+        # the averages are identical on every rank, so every rank skips alike; stage 2 is dropped
+        if not side.nonfinite and ctx.any_nonfinite(crits):
+            self.buckets.wait(list(h2.values()), ctx.timeout, "stage-2 allreduce")
+            side.nonfinite = True
         if side.nonfinite:
             rec.update(critical_fraction=0.0, bytes_stage1=b1, bytes_stage2=0, skipped=True, overflow=True)
             self._end_step()
@@ -421,7 +428,7 @@ class OSPMode(Mode):
             mask = self._group_mask(gi)
             if packed_scaled and not packed_now:
                 ctx.scale_grads(inp.unscale, [crit])
-            ops.merge_blocks(crit, None, mask, fg.block_size, fg.grad)
+            ops.merge_blocks(crit, None, mask, fg.block_size, fg.grad, fg.nblocks - plan.ncrit[gi])
             if scoring:
                 self._set_scores(crit, fg, mask, self._group_lo[gi])
         coef = None
@@ -442,7 +449,8 @@ class OSPMode(Mode):
             else:
                 snap, full = self.corrector.snapshot(fg, mask, deferreds[gi].numel(), hyper(group)), None
             self._pending.append(_Deferred(snap=snap, lo=self._group_lo[gi], handle=h2.get(gi),
-                                           avg=deferreds[gi], mask=mask, absent=absent[gi], full=full))
+                                           avg=deferreds[gi], mask=mask, absent=absent[gi], full=full,
+                                           ndeferred=fg.nblocks - plan.ncrit[gi]))
         if launch2:
             self._cur ^= 1  # the next backward packs into the other stage-2 buffer
         # LGP: the local update with the provisional gradient (averaged on critical blocks, this
@@ -500,12 +508,23 @@ class OSPMode(Mode):
         landed) by the exact one. Afterwards every rank holds bitwise the same parameters and state."""
         if not self._pending:
             return
+        if self.ctx.any_nonfinite([d.avg for d in self._pending]):
+            # each rank's deferred gradient was finite, their sum is not (float16): identical on every rank.
+            # The step's critical blocks are applied already, so it cannot be skipped: put the deferred
+            # blocks back as they were before it (replicas stay equal) and stop on every rank alike
+            self.corrector.restore([d.snap for d in self._pending])
+            self._pending, self._clip = [], None
+            raise FloatingPointError(
+                f"osp: OSP's averaged deferred gradient of step {self._steps} is not finite on every rank, though "
+                "each rank's own gradient was (their sum overflowed, e.g. float16 gradients); its critical blocks "
+                "are applied and its deferred blocks are left as before that step. Use float32 or bfloat16 "
+                "parameters, scale the loss down, or osp.BSP() / osp.DSync(), which skip such a step whole")
         items = [(d.snap, d.avg) for d in self._pending]
         if self._clip is not None:  # the exact factor, from the whole averaged gradient's norm
             sq = self._clip.crit_sq + self.ctx.sq_norm([d.avg for d in self._pending])
             coef = self.ctx.clip_coef(self._clip.max_norm, sq)
             for d in self._pending:
-                ops.merge_blocks(None, d.avg, d.mask, d.snap.fg.block_size, d.full)
+                ops.merge_blocks(None, d.avg, d.mask, d.snap.fg.block_size, d.full, d.ndeferred)
                 d.full.mul_(coef)
             items = [(d.snap, d.full) for d in self._pending]
         for d in self._pending:

@@ -65,7 +65,11 @@ class Mode:
 
 
 def _phase(phase, fraction, in_phase=0):
-    return lambda opt: opt.mode.load_state_dict(_auto_state(phase, fraction, in_phase))
+    def prepare(opt):
+        state = _auto_state(phase, fraction, in_phase)
+        state["size"] = opt.comm.size
+        opt.mode.load_state_dict(state)
+    return prepare
 
 
 MODES: Dict[str, Mode] = {m.name: m for m in [
@@ -176,8 +180,10 @@ class Env:
     """One run of a loop: the model, the (wrapped or plain) optimizer, and the calls a pattern makes,
     each doing what the user would write with plain torch.optim or with osp."""
 
-    def __init__(self, case: "Case", wrapped: bool, steps: int = STEPS):
+    def __init__(self, case: "Case", wrapped: bool, steps: int = STEPS, backend: str = "torch", rank: int = 0):
         self.case, self.wrapped, self.steps = case, wrapped, steps
+        self.backend, self.rank = backend, rank  # several ranks: each draws its own data
+        self.record: Optional[Callable[["Env"], None]] = None  # called right before each step()
         self.dtype = DTYPES[case.dtype]
         self.pattern = PATTERNS[case.pattern]
         self.mode = MODES[case.mode]
@@ -191,7 +197,8 @@ class Env:
         self.inner = OPTIMIZERS[self.case.optimizer](groups)
         if self.wrapped:
             self.opt = osp.DistributedOptimizer(self.inner, self.model.named_parameters(), sync=self.mode.make(),
-                                                backend="torch", backward_passes_per_step=self.bpps, timeout=60)
+                                                backend=self.backend, backward_passes_per_step=self.bpps,
+                                                timeout=60)
             if self.mode.prepare is not None:
                 self.mode.prepare(self.opt)
         else:
@@ -199,7 +206,7 @@ class Env:
         self.sched = self.pattern.scheduler(self.opt) if self.pattern.scheduler else None
 
     def data(self, t: int, micro: int = 0):
-        g = torch.Generator().manual_seed(1000 * t + micro)
+        g = torch.Generator().manual_seed(1000 * t + micro + 100003 * self.rank)
         x = torch.randn(6, 7, generator=g).to(self.dtype)
         y = torch.randn(6, 5, generator=g)
         return x, y
@@ -230,6 +237,8 @@ class Env:
             self.clip_torch(m)
 
     def step(self, t: int) -> None:
+        if self.record is not None:
+            self.record(self)
         if self.scaler is not None:
             self.scaler.step(self.opt)
             self.scaler.update()
@@ -401,6 +410,20 @@ def _reset_world(env, t):
     _plain(env, t)
 
 
+def _branch_one_rank(env, t):
+    """A parameter with a gradient on rank 0 only, on some steps (on one rank: a branch some steps take)."""
+    env.zero_grad()
+    env.backward(t, branch=env.rank == 0 and t % 2 == 1)
+    env.step(t)
+
+
+def _overflow_one_rank(env, t):
+    """A GradScaler overflow on rank 1 only (none on one rank)."""
+    env.zero_grad()
+    env.backward(t, factor=math.inf if (t == 2 and env.rank == 1) else 1.0)
+    env.step(t)
+
+
 def _two_groups(model):
     return [{"params": [model.a.weight, model.branch.weight], "lr": 0.02},
             {"params": [model.a.bias, model.b.weight, model.b.bias, model.unused], "weight_decay": 0.01}]
@@ -428,6 +451,8 @@ PATTERNS: Dict[str, Pattern] = {p.name: p for p in [
     Pattern("unused-param", _plain),
     Pattern("unused-param-in-loss", _plain, use_unused=True),
     Pattern("branch-sometimes", _sometimes),
+    Pattern("branch-one-rank", _branch_one_rank),
+    Pattern("scaler-overflow-one-rank", _overflow_one_rank, scaler=True),
     Pattern("freeze-unfreeze", _freeze),
     Pattern("param-groups", _plain, groups=_two_groups),
     Pattern("lr-scheduler", _plain, scheduler=_step_lr),
@@ -448,7 +473,7 @@ for _m in ("osp-0.25", "osp-0.0", "osp-auto-trials", "osp-auto-deferring", "dsyn
 for _m in ("dsync-1", "dsync-2", "dsync-3", "dsync-auto"):
     for _p in ("clip-torch", "grad-inplace", "grad-replaced"):
         REFUSED[(_m, _p)] = "gradients were changed in place or replaced between backward"
-for _p in ("scaler", "scaler-overflow", "scaler-unscale-clip"):
+for _p in ("scaler", "scaler-overflow", "scaler-unscale-clip", "scaler-overflow-one-rank"):
     REFUSED[("dsync-auto", _p)] = "cannot take a GradScaler"
 
 

@@ -123,17 +123,24 @@ def clipping():
     ok, diff = close(model, ref)
     check("clip/equals_clip_of_average", ok, f"max abs diff {diff:.3g}")
     check("clip/replicas_equal", equal_everywhere(model))
-    # clipping .grad directly: under OSP/DSync that clips each rank's own gradient: warned once
+    # clipping .grad directly: under OSP/HSP that clips each rank's own gradient: warned once; under DSync,
+    # whose averages started in backward, refused on every rank when that step's average lands
     model = linear_model()
     opt = wrap(SGD(model.parameters()), model)
-    with warnings.catch_warnings(record=True) as w:
-        warnings.simplefilter("always")
+
+    def direct_clips():
         for step in range(3):
             opt.zero_grad()
             linear_loss(model, step).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)  # each rank's own, under OSP/DSync
             opt.step()
-    opt.flush()
+        opt.flush()
+    if mode == "dsync":
+        expect_error("clip/direct_clip_refused_under_dsync", RuntimeError, "changed in place or replaced", direct_clips)
+        return
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        direct_clips()
     n = sum("clip_grad_norm_(max_norm) instead" in str(x.message) for x in w)
     check("clip/direct_clip_warned_once", n == (0 if mode == "bsp" else 1), f"{n} warnings")
 

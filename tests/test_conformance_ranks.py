@@ -1,0 +1,55 @@
+"""Oracle 2, generated: the conformance tables on 2 and 3 real ranks, both engines (tests/workers/
+conformance_worker.py). A pairwise-covering sample of mode x pattern x optimizer (every pair of values at
+least once), with patterns only several ranks can show (a parameter with a gradient on one rank only, a
+GradScaler overflow on one rank): replicas bitwise equal after flush() (I1), and equal to plain
+torch.optim replaying the averaged recorded gradients (I3), or refused alike on every rank."""
+import os
+
+import pytest
+
+import conformance as C
+import launch
+
+WORKER = os.path.join(launch.HERE, "workers", "conformance_worker.py")
+# hsp-closure: its extras depend on timing, and the record cannot see them (tests/test_hsp.py replays them)
+MODES = [m for m in sorted(C.MODES) if m != "hsp-closure"]
+PATTERNS = ["plain", "accumulate-2", "clip-opt", "clip-torch", "grad-inplace", "branch-one-rank", "unused-param",
+            "freeze-unfreeze", "scaler-overflow-one-rank", "lr-scheduler", "param-groups", "zero-grad-keep",
+            "flush-mid-run", "state-dict-round-trip"]
+OPTIMIZERS = ["sgd-momentum", "sgd-nesterov-wd", "adam", "adamw-amsgrad", "rmsprop", "adagrad", "group-norm-sgd"]
+ROWS = C.pairwise([MODES, PATTERNS, OPTIMIZERS], seed=1)
+
+
+def _chunks(rows, n):
+    return [rows[i::n] for i in range(n)]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("backend,nranks,part", [("torch", 2, 0), ("torch", 3, 1), ("horovod", 2, 1),
+                                                 ("horovod", 3, 0)])
+def test_ranks_equal_the_replay_of_the_averaged_gradients(backend, nranks, part, tmp_path):
+    rows = _chunks(ROWS, 2)[part]
+    cases = ["|".join(r + ("fp32",)) for r in rows]
+    launcher = "horovod" if backend == "horovod" else "spawn"
+    proc = launch.run(launcher, nranks, [WORKER, backend, str(tmp_path)] + cases, timeout=600)
+    launch.check(proc)
+    results = launch.rank_results(tmp_path, nranks, proc)
+    assert sorted(results[0]["checks"]) == sorted(cases)
+
+
+def test_the_sample_covers_every_pair():
+    for i, j in ((0, 1), (0, 2), (1, 2)):
+        tables = (MODES, PATTERNS, OPTIMIZERS)
+        assert len({(r[i], r[j]) for r in ROWS}) == len(tables[i]) * len(tables[j])
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("backend", ["torch", "horovod"])
+def test_an_average_that_overflows_is_never_applied(backend, tmp_path):
+    """Each rank's float16 gradient finite, their sum not: skipped or refused alike on every rank."""
+    launcher = "horovod" if backend == "horovod" else "spawn"
+    proc = launch.run(launcher, 2, [os.path.join(launch.HERE, "workers", "overflow_worker.py"), backend,
+                                    str(tmp_path)], timeout=300)
+    launch.check(proc)
+    results = launch.rank_results(tmp_path, 2, proc)
+    assert len(results[0]["checks"]) == 12

@@ -1,0 +1,115 @@
+"""Rank program for oracle 2 (tests/test_conformance_ranks.py): the conformance tables on real ranks.
+
+Usage: conformance_worker.py BACKEND OUTDIR CASE [CASE ...]   (CASE: mode|pattern|optimizer|dtype)
+
+Each case runs its loop (tests/conformance.py) on every rank, each rank on its own data, recording the
+gradient every rank hands to ``step()``. After ``flush()``: the replicas must be bitwise equal (I1), and
+equal, within the documented bound, plain ``torch.optim`` replaying the averaged recorded gradients with
+the documented semantics (I3): a parameter without a gradient on any rank is left alone, one missing on
+some ranks counts as zeros there; ``opt.clip_grad_norm_`` clips the average; under BSP ``.grad`` already
+holds the average at ``step()``; a GradScaler's overflow on one rank skips the step everywhere. Results
+go to OUTDIR/rank<R>.json as named checks, one per case.
+"""
+import os
+import sys
+
+import ranks
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import conformance as C  # noqa: E402
+
+backend, outdir, cases = sys.argv[1], sys.argv[2], sys.argv[3:]
+comm = ranks.start(backend)
+rank, size = comm.rank, comm.size
+
+
+def recorder(log):
+    def record(env):
+        log.append({"grads": [None if p.grad is None else p.grad.detach().double().clone()
+                              for p in env.model.parameters()],
+                    "scale": env.scaler.get_scale() if env.scaler else None})
+    return record
+
+
+def replay(case, logs):
+    """Plain torch.optim on the averaged recorded gradients."""
+    ref = C.Env(case, wrapped=False)
+    ref.scaler = None  # the recorded scales are applied instead (under DSync a scaler hears of an overflow late)
+    params = list(ref.model.parameters())
+    bsp = C.MODES[case.mode].family == "bsp"
+    for t in range(ref.steps):
+        if C.PATTERNS[case.pattern].body is C._freeze:  # the same requires_grad changes as the loop
+            if t == 2:
+                ref.model.branch.weight.requires_grad_(False)
+                ref.model.a.bias.requires_grad_(False)
+            if t == 5:
+                ref.model.branch.weight.requires_grad_(True)
+                ref.model.a.bias.requires_grad_(True)
+        ref.opt.zero_grad()
+        for i, p in enumerate(params):
+            got = [log[t]["grads"][i] for log in logs]
+            if bsp:  # .grad already held the average (clipped by the user) at step()
+                p.grad = None if got[0] is None else got[0].to(p.dtype)
+            elif all(g is None for g in got):
+                p.grad = None
+            else:
+                p.grad = (sum(g for g in got if g is not None) / size).to(p.dtype)
+        scale = logs[0][t]["scale"]
+        if scale is not None:  # unscaled by the scale that step ran under; an overflow anywhere skips it
+            grads = [p.grad for p in params if p.grad is not None]
+            for g in grads:
+                g.div_(scale)
+            if not all(bool(g.isfinite().all()) for g in grads):
+                if ref.sched is not None:
+                    ref.sched.step()
+                continue
+        if case.pattern == "clip-opt" and not bsp:
+            torch.nn.utils.clip_grad_norm_(ref.model.parameters(), 0.05)
+        ref.opt.step()
+        if ref.sched is not None:
+            ref.sched.step()
+    return ref
+
+
+def run(case):
+    log = []
+    env = C.Env(case, wrapped=True, backend=backend, rank=rank)
+    env.record = recorder(log)
+    err = None
+    try:
+        for t in range(env.steps):
+            env.pattern.body(env, t)
+        env.flush()
+    except Exception as e:  # noqa: BLE001 - every rank must fail alike
+        err = f"{type(e).__name__}: {e}"
+    errs = comm.allgather_object(err)
+    want = C.refusal(case.mode, case.pattern)
+    if any(errs):
+        import re
+        same = len(set(errs)) == 1
+        return same and want is not None and re.search(want, errs[0]) is not None, f"errors {errs}"
+    if want is not None:
+        return False, f"expected a refusal ({want!r})"
+    mine = [p.detach().clone() for p in env.model.parameters()]
+    everyone = comm.allgather_object(mine)
+    if not all(torch.equal(a, b) for other in everyone for a, b in zip(other, mine)):
+        return False, "replicas differ (I1)"
+    logs = comm.allgather_object(log)
+    ref = replay(case, logs)
+    for i, (a, b) in enumerate(zip(mine, ref.model.parameters())):
+        eq, close = C.compare(a, b.detach(), env.steps)
+        if not close:
+            return False, (f"parameter {i} ({list(dict(env.model.named_parameters()))[i]}): max abs diff {(a.double() - b.double()).abs().max().item():.3g} "
+                           f"against the replay of the averaged gradients (I3)")
+    if env.scaler is not None and len(set(comm.allgather_object(env.scaler.get_scale()))) != 1:
+        return False, "the ranks' loss scales differ"
+    return True, ""
+
+
+for cid in cases:
+    case = C.Case(*cid.split("|"))
+    ok, detail = run(case)
+    ranks.check(cid, ok, detail)
+ranks.save(outdir)
+ranks.shutdown(backend)

@@ -153,8 +153,7 @@ class DSyncMode(Mode):
         self._presence[slot][_GRADS].fill_(1.0 if inp.edited else 0.0)
         self._presence[slot][_PARAMS:].copy_(self._probe.edited().reshape(1))
         handles.append(ctx.comm.allreduce_sum_async_(self._presence[slot], f"{ctx.prefix}.ds.{slot}.present"))
-        # the provisional update uses this rank's own gradient (zeros where it has none, as on every rank
-        # the same parameters must step), unscaled and clipped by its own norm
+        # the provisional update uses this rank's own gradient, unscaled and clipped by its own norm
         ctx.scale_grads(inp.unscale)
         if inp.max_norm is not None:
             ctx.scale_grads(ctx.clip_coef(inp.max_norm, ctx.sq_norm([fg.grad for fg in ctx.groups])))

@@ -118,31 +118,31 @@ class GroupNormSGD(torch.optim.Optimizer):
                 p.add_(p.grad / (1.0 + norm).to(p.dtype), alpha=-group["lr"])
 
 
-O = torch.optim
+OPT = torch.optim
 # eps=1e-4 for the Adam family: torch's 1e-8 underflows in fp16 (fp16's smallest normal is 6e-5), and the
 # trajectories of plain torch.optim then blow up, with nothing left to compare
 OPTIMIZERS: Dict[str, Callable] = {
-    "sgd": lambda ps: O.SGD(ps, lr=0.1),
-    "sgd-momentum": lambda ps: O.SGD(ps, lr=0.1, momentum=0.9),
-    "sgd-nesterov-wd": lambda ps: O.SGD(ps, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-2),
-    "sgd-dampening-maximize": lambda ps: O.SGD(ps, lr=0.05, momentum=0.8, dampening=0.3, maximize=True),
-    "sgd-foreach": lambda ps: O.SGD(ps, lr=0.1, momentum=0.9, foreach=True),
-    "sgd-fused": lambda ps: O.SGD(ps, lr=0.1, momentum=0.9, fused=True),
-    "adam": lambda ps: O.Adam(ps, lr=1e-2, eps=1e-4),
-    "adam-amsgrad": lambda ps: O.Adam(ps, lr=1e-2, eps=1e-4, amsgrad=True, weight_decay=1e-2),
-    "adam-foreach": lambda ps: O.Adam(ps, lr=1e-2, eps=1e-4, foreach=True),
-    "adam-fused": lambda ps: O.Adam(ps, lr=1e-2, eps=1e-4, fused=True),
-    "adamw": lambda ps: O.AdamW(ps, lr=1e-2, eps=1e-4, weight_decay=0.1),
-    "adamw-amsgrad": lambda ps: O.AdamW(ps, lr=1e-2, eps=1e-4, amsgrad=True),
-    "adamw-fused": lambda ps: O.AdamW(ps, lr=1e-2, eps=1e-4, fused=True),
-    "nadam": lambda ps: O.NAdam(ps, lr=1e-2, eps=1e-4),
-    "radam": lambda ps: O.RAdam(ps, lr=1e-2, eps=1e-4),
-    "adamax": lambda ps: O.Adamax(ps, lr=1e-2, eps=1e-4),
-    "adagrad": lambda ps: O.Adagrad(ps, lr=5e-2),
-    "adadelta": lambda ps: O.Adadelta(ps, lr=1.0),
-    "rmsprop": lambda ps: O.RMSprop(ps, lr=1e-2, momentum=0.5),
-    "rprop": lambda ps: O.Rprop(ps, lr=1e-2),
-    "asgd": lambda ps: O.ASGD(ps, lr=5e-2),
+    "sgd": lambda ps: OPT.SGD(ps, lr=0.1),
+    "sgd-momentum": lambda ps: OPT.SGD(ps, lr=0.1, momentum=0.9),
+    "sgd-nesterov-wd": lambda ps: OPT.SGD(ps, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-2),
+    "sgd-dampening-maximize": lambda ps: OPT.SGD(ps, lr=0.05, momentum=0.8, dampening=0.3, maximize=True),
+    "sgd-foreach": lambda ps: OPT.SGD(ps, lr=0.1, momentum=0.9, foreach=True),
+    "sgd-fused": lambda ps: OPT.SGD(ps, lr=0.1, momentum=0.9, fused=True),
+    "adam": lambda ps: OPT.Adam(ps, lr=1e-2, eps=1e-4),
+    "adam-amsgrad": lambda ps: OPT.Adam(ps, lr=1e-2, eps=1e-4, amsgrad=True, weight_decay=1e-2),
+    "adam-foreach": lambda ps: OPT.Adam(ps, lr=1e-2, eps=1e-4, foreach=True),
+    "adam-fused": lambda ps: OPT.Adam(ps, lr=1e-2, eps=1e-4, fused=True),
+    "adamw": lambda ps: OPT.AdamW(ps, lr=1e-2, eps=1e-4, weight_decay=0.1),
+    "adamw-amsgrad": lambda ps: OPT.AdamW(ps, lr=1e-2, eps=1e-4, amsgrad=True),
+    "adamw-fused": lambda ps: OPT.AdamW(ps, lr=1e-2, eps=1e-4, fused=True),
+    "nadam": lambda ps: OPT.NAdam(ps, lr=1e-2, eps=1e-4),
+    "radam": lambda ps: OPT.RAdam(ps, lr=1e-2, eps=1e-4),
+    "adamax": lambda ps: OPT.Adamax(ps, lr=1e-2, eps=1e-4),
+    "adagrad": lambda ps: OPT.Adagrad(ps, lr=5e-2),
+    "adadelta": lambda ps: OPT.Adadelta(ps, lr=1.0),
+    "rmsprop": lambda ps: OPT.RMSprop(ps, lr=1e-2, momentum=0.5),
+    "rprop": lambda ps: OPT.Rprop(ps, lr=1e-2),
+    "asgd": lambda ps: OPT.ASGD(ps, lr=5e-2),
     "group-norm-sgd": lambda ps: GroupNormSGD(ps, lr=0.1),
 }
 

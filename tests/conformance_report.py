@@ -12,9 +12,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch.distributed as dist  # noqa: E402
-
 import conformance as C  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 KINDS = ["bitwise", "ulp", "refused", "torch-refuses", "torch-nonfinite", "differs", "error"]
 

@@ -6,9 +6,8 @@ optimizers with fused kernels, every mode with every optimizer on the loops that
 corrections, and a pairwise-covering sample of all four tables (every pair of values of mode, pattern,
 optimizer and dtype at least once). ``python tests/conformance_report.py`` prints the counts by class.
 """
-import pytest
-
 import conformance as C
+import pytest
 
 CASES = sorted(set(C.mode_pattern_cases()) | set(C.mode_optimizer_cases()) | set(C.pairwise_cases()),
                key=lambda c: c.id)

@@ -5,9 +5,9 @@ GradScaler overflow on one rank): replicas bitwise equal after flush() (I1), and
 torch.optim replaying the averaged recorded gradients (I3), or refused alike on every rank."""
 import os
 
+import conformance as C
 import pytest
 
-import conformance as C
 import launch
 
 WORKER = os.path.join(launch.HERE, "workers", "conformance_worker.py")

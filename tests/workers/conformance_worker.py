@@ -100,8 +100,9 @@ def run(case):
     for i, (a, b) in enumerate(zip(mine, ref.model.parameters())):
         eq, close = C.compare(a, b.detach(), env.steps)
         if not close:
-            return False, (f"parameter {i} ({list(dict(env.model.named_parameters()))[i]}): max abs diff {(a.double() - b.double()).abs().max().item():.3g} "
-                           f"against the replay of the averaged gradients (I3)")
+            name = [n for n, _ in env.model.named_parameters()][i]
+            return False, (f"parameter {i} ({name}): max abs diff {(a.double() - b.double()).abs().max().item():.3g} "
+                           "against the replay of the averaged gradients (I3)")
     if env.scaler is not None and len(set(comm.allgather_object(env.scaler.get_scale()))) != 1:
         return False, "the ranks' loss scales differ"
     return True, ""

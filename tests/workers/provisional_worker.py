@@ -82,7 +82,8 @@ def run(name, sync, make_opt, max_norm):
                 top = torch.zeros_like(m)
                 top[torch.sort(s, descending=True, stable=True).indices[:int(m.sum())]] = True
                 if not torch.equal(m, top):
-                    return False, f"step {t}: bucket blocks {b0}-{b1} critical {m.tolist()}, top by score {top.tolist()}"
+                    return False, (f"step {t}: bucket blocks {b0}-{b1} critical {m.tolist()}, "
+                                   f"top by score {top.tolist()}")
             want = sum(opt.mode.budget.count(b1 - b0) for _, b0, b1 in opt.mode._geo)
             if k_total != want:
                 return False, f"step {t}: {k_total} critical blocks, the budget gives {want}"

@@ -244,7 +244,8 @@ class Env:
             self.scaler.update()
         elif self.wrapped and self.mode.closure:
             self.opt.step(lambda: self.backward(t, micro=99))
-        else:
+        elif self.wrapped or not self.pattern.skips_nonfinite or all(
+                bool(p.grad.isfinite().all()) for p in self.model.parameters() if p.grad is not None):
             self.opt.step()
         if self.sched is not None:
             self.sched.step()
@@ -294,7 +295,9 @@ class Pattern:
     body: Callable[[Env, int], None]  # one iteration of the loop at step t
     bpps: int = 1
     scaler: bool = False
-    use_unused: bool = False
+    use_unused: bool = True  # the parameter ``Net.unused`` is in the loss (False: it never gets a gradient)
+    #: plain torch.optim skips a step whose gradient is not finite, as osp does in every mode (README)
+    skips_nonfinite: bool = False
     groups: Callable = _plain_groups
     scheduler: Optional[Callable] = None
 
@@ -403,6 +406,13 @@ def _edit(flush):
     return body
 
 
+def _edit_data(env, t):
+    """An edit through ``.data`` (no version counter of the parameter sees it), without a flush."""
+    _plain(env, t)
+    if t == 2:
+        env.model.a.weight.data.mul_(0.5)
+
+
 def _reset_world(env, t):
     if t == 3 and env.wrapped:
         env.opt.flush()
@@ -448,13 +458,14 @@ PATTERNS: Dict[str, Pattern] = {p.name: p for p in [
     Pattern("scaler", _plain, scaler=True),
     Pattern("scaler-overflow", _scaler_overflow, scaler=True),
     Pattern("scaler-unscale-clip", _scaler_unscale_clip, scaler=True),
-    Pattern("unused-param", _plain),
-    Pattern("unused-param-in-loss", _plain, use_unused=True),
+    Pattern("unused-param", _plain, use_unused=False),
+    Pattern("nonfinite-skipped", _scaler_overflow, skips_nonfinite=True),
     Pattern("branch-sometimes", _sometimes),
     Pattern("branch-one-rank", _branch_one_rank),
     Pattern("scaler-overflow-one-rank", _overflow_one_rank, scaler=True),
     Pattern("freeze-unfreeze", _freeze),
     Pattern("param-groups", _plain, groups=_two_groups),
+    Pattern("param-groups-branch-sometimes", _sometimes, groups=_two_groups),
     Pattern("lr-scheduler", _plain, scheduler=_step_lr),
     Pattern("tensor-lr-scheduler", _plain, groups=_tensor_lr_groups, scheduler=_step_lr),
     Pattern("zero-grad-keep", _zero_false),
@@ -462,6 +473,7 @@ PATTERNS: Dict[str, Pattern] = {p.name: p for p in [
     Pattern("state-dict-round-trip", _flush_reload),
     Pattern("edit-after-flush", _edit(True)),
     Pattern("edit-unflushed", _edit(False)),
+    Pattern("edit-data-unflushed", _edit_data),
     Pattern("reset-world", _reset_world),
 ]}
 
@@ -469,7 +481,7 @@ PATTERNS: Dict[str, Pattern] = {p.name: p for p in [
 REFUSED: Dict[Tuple[str, str], str] = {}
 for _m in ("osp-0.25", "osp-0.0", "osp-auto-trials", "osp-auto-deferring", "dsync-1", "dsync-2", "dsync-3",
            "dsync-auto"):
-    REFUSED[(_m, "edit-unflushed")] = "parameters were changed between steps"
+    REFUSED[(_m, "edit-unflushed")] = REFUSED[(_m, "edit-data-unflushed")] = "parameters were changed between steps"
 for _m in ("dsync-1", "dsync-2", "dsync-3", "dsync-auto"):
     for _p in ("clip-torch", "grad-inplace", "grad-replaced"):
         REFUSED[(_m, _p)] = "gradients were changed in place or replaced between backward"

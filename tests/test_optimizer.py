@@ -541,3 +541,20 @@ def test_compiled_model_steps_like_the_plain_optimizer(one_rank):
         local_steps(ref, torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9), 4)
         for a, b in zip(model.parameters(), ref.parameters()):
             torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_select_critical_takes_the_highest_scores_ties_to_the_lower_index():
+    from osp.policy import select_critical
+    s = torch.tensor([0.1, 5.0, 3.0, 0.2, 3.0])
+    assert select_critical(s, 2).tolist() == [False, True, True, False, False]
+    assert select_critical(s, 3).tolist() == [False, True, True, False, True]  # the tie at 3.0: both
+    assert select_critical(torch.tensor([1.0, 1.0, 1.0]), 1).tolist() == [True, False, False]
+    assert select_critical(s, 0).tolist() == [False] * 5 and select_critical(s, 9).tolist() == [True] * 5
+
+
+def test_auto_skips_the_smaller_trial_when_the_model_share_is_the_floor():
+    """A link so slow that the modelled share is min_critical already: no 'small' trial (it would run the
+    same share), settled two steps sooner."""
+    b, shares = _feed_budget({1.0: 0.40, 0.05: 0.30}, bw=1e7)  # 32 MB in 3.2 s: 0.8 * 0.05 / 3.2 < 0.05
+    assert b.model == 0.05 and "small" not in b.shares and not b.iterations["small"], (b.shares, shares)
+    assert shares[4:7] == [0.05] * 3 and b.phase == "settled", shares

@@ -11,6 +11,7 @@ checkpoint envelope); each mode's logic lives in ``osp/modes/<mode>.py``.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import sys
 import time
@@ -490,7 +491,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             else:  # the user's scaler.unscale_(opt) changed them in place since backward
                 inp.grads_changed = True
         if not self.mode.grad_is_average:
-            inp.edited = self._grads_changed(allowed=1 if scaler_state is not None else 0)
+            # a GradScaler's unscale_() may count as one change, where its kernel bumps version counters
+            unscaled = scaler_state is not None and inp.grads_changed and _unscale_counts_as_a_change()
+            inp.edited = self._grads_changed(allowed=1 if unscaled else 0)
             if inp.edited and self.mode.honors_grad_edits and not self._warned_grad_change:
                 self._warned_grad_change = True
                 warnings.warn(
@@ -584,6 +587,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         kept = self.mode.state_dict()
         self.mode = self.sync.build(self._ctx)
         self.mode.load_state_dict(kept)
+        self.mode.after_load()  # the new mode's corrector takes over the optimizer's state (flat buffers)
         self._fresh = False
         self._task = None
         self._in_extra = False
@@ -617,6 +621,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         else:
             self.optimizer.load_state_dict(state_dict)
         self.mode.after_load()
+
+
+@functools.lru_cache(maxsize=None)
+def _unscale_counts_as_a_change() -> bool:
+    """Whether ``GradScaler.unscale_()``'s kernel bumps the version counter of the gradients it unscales
+    (it does not in the torch osp is built against; it may in others)."""
+    g = torch.ones(2)
+    v = g._version
+    torch._amp_foreach_non_finite_check_and_unscale_([g], torch.zeros(1), torch.ones(1))
+    return g._version != v
 
 
 def _calling_grad_scaler(opt):

@@ -1,7 +1,7 @@
 """Oracle 3: OSP's provisional step (what the next forward computes with) against pure PyTorch on 2 real
-ranks: critical blocks from the average, deferred ones from the rank's own gradient with the documented
-clip estimate, the critical blocks the top ones by score in each bucket, the scores those of the latest
-landed averages (tests/workers/provisional_worker.py)."""
+ranks: critical blocks from the average, deferred ones from the rank's own gradient, clipped by the norm
+of that provisional gradient, the critical blocks the top ones by score in each bucket, the scores those of
+the latest landed averages (tests/workers/provisional_worker.py)."""
 import os
 
 import pytest

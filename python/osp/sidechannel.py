@@ -2,8 +2,7 @@
 
 Fields: how many flat gradients hold an inf or nan on some rank (the step is then skipped on every
 rank), the ``auto`` budget's measurements (bandwidth in MB/s; the backward window stage 1 overlaps and
-the previous iteration, in ms), two checksums of the
-critical-block mask each rank chose, the squared norm of the deferred gradient (clipping), whether
+the previous iteration, in ms), two checksums of the critical-block mask each rank chose, whether
 parameters were edited while a correction was pending, and whether gradients were changed after
 backward packed them (``stale``). The buffer is its own
 fp32 tensor on the parameters' device, whatever their dtype: measurements summed across ranks in
@@ -19,8 +18,8 @@ from typing import List, Sequence
 
 import torch
 
-FIELDS = ("nonfinite", "bandwidth_mbps", "mask_sum1", "mask_sum2", "deferred_sq",
-          "edited", "stale", "backward_ms", "iteration_ms")
+FIELDS = ("nonfinite", "bandwidth_mbps", "mask_sum1", "mask_sum2", "edited", "stale", "backward_ms",
+          "iteration_ms")
 # then one field per parameter: 1 where this rank has a gradient for it (summed: present on some rank)
 # Checksums are weighted sums of the mask modulo small primes: integers below 2^11, so their sum over
 # up to 2^13 ranks is exact in fp32. A sum, not an average: exact, and Horovod never fuses it with the
@@ -33,7 +32,6 @@ class Side:
     """The decoded side channel, measurements averaged over ranks (identical on every rank)."""
     nonfinite: bool
     bandwidth: float  # bytes/s
-    deferred_sq: float  # squared 2-norm of the deferred gradient, averaged over ranks (clipping)
     edited: bool  # some rank's parameters were changed between steps where a correction was pending
     stale: bool  # some rank's gradients were changed after backward packed them
     backward: float  # s: from the first gradient ready to the end of backward
@@ -55,12 +53,12 @@ class MaskChecksum:
 
 
 def encode(out: torch.Tensor, nonfinite: torch.Tensor, checksums: Sequence[torch.Tensor], *, bandwidth=0.0,
-           deferred_sq=0.0, edited=0.0, stale=0.0, backward=0.0, iteration=0.0) -> torch.Tensor:
+           edited=0.0, stale=0.0, backward=0.0, iteration=0.0) -> torch.Tensor:
     """Fill ``out`` (fp32, ``len(FIELDS)`` + one per parameter, on the parameters' device) for this
     rank (times in seconds, bandwidth in bytes/s; a value may be a device tensor); the presence fields
     are the caller's."""
     values = {"nonfinite": nonfinite, "bandwidth_mbps": bandwidth / 1e6,
-              "mask_sum1": checksums[0], "mask_sum2": checksums[1], "deferred_sq": deferred_sq,
+              "mask_sum1": checksums[0], "mask_sum2": checksums[1],
               "edited": edited, "stale": stale, "backward_ms": backward * 1e3, "iteration_ms": iteration * 1e3}
     for i, name in enumerate(FIELDS):
         v = values[name]
@@ -93,6 +91,6 @@ def decode(total: torch.Tensor, own: torch.Tensor, size: int, step: int) -> Side
     n = len(FIELDS)
     f = dict(zip(FIELDS, t))
     return Side(nonfinite=f["nonfinite"] > 0, bandwidth=f["bandwidth_mbps"] / size * 1e6,
-                deferred_sq=f["deferred_sq"] / size, edited=f["edited"] > 0,
+                edited=f["edited"] > 0,
                 stale=f["stale"] > 0, backward=f["backward_ms"] / size * 1e-3,
                 iteration=f["iteration_ms"] / size * 1e-3, presence=t[n:])

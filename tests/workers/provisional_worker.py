@@ -9,8 +9,8 @@ the gradients every rank handed to ``step()`` (allgathered):
 - the exact state before the step: plain torch.optim stepped with the averaged gradient of every
   earlier step (clipped by the norm of the average where the loop clips);
 - the provisional gradient: the average on the step's critical blocks, this rank's own gradient on the
-  deferred ones; clipped by ``max_norm / (sqrt(critical_sq + mean over ranks of own deferred_sq))``, the
-  documented estimate of the averaged norm;
+  deferred ones; where the loop clips, clipped by its own norm (the exact factor, from the norm of the
+  average, comes with the correction);
 - the critical blocks: in every bucket, the highest-scoring blocks by the scores this rank held when it
   planned the step, as many as the budget gives the buckets in all; the scores themselves are the l2
   norms of each block's latest averaged gradient that had landed by then (in a step, the last step's
@@ -94,10 +94,8 @@ def run(name, sync, make_opt, max_norm):
         # the provisional gradient, from the exact state before this step
         emask = mask.repeat_interleave(BS)[:own.numel()]
         prov = torch.where(emask, avg, own)
-        if max_norm is not None:
-            crit_sq = float((avg[emask] ** 2).sum())
-            deferred_sq = sum(float((g[~emask] ** 2).sum()) for g in every) / size
-            prov = prov * min(1.0, max_norm / ((crit_sq + deferred_sq) ** 0.5 + 1e-6))
+        if max_norm is not None:  # provisionally by the norm of this provisional gradient
+            prov = prov * min(1.0, max_norm / (float(prov.norm()) + 1e-6))
         trial = copy.deepcopy(ref)
         trial_opt = make_opt(list(trial.parameters()))
         trial_opt.load_state_dict(copy.deepcopy(ref_opt.state_dict()))  # load_state_dict keeps the tensors

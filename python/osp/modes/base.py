@@ -100,15 +100,23 @@ class Context:
             for g in ([fg.grad for fg in self.groups] if grads is None else grads):
                 g.mul_(factor)
 
-    def sq_norm(self, grads: List[torch.Tensor]) -> torch.Tensor:
-        """Sum of squares of ``grads`` in fp32: a device scalar, no sync."""
-        zero = torch.zeros((), dtype=torch.float32, device=self.device)
-        return sum((torch.linalg.vector_norm(g, dtype=torch.float32).square() for g in grads), zero)
-
-    @staticmethod
-    def clip_coef(max_norm: float, sq: torch.Tensor) -> torch.Tensor:
-        """``torch.nn.utils.clip_grad_norm_``'s factor for a gradient of squared norm ``sq``."""
-        return (max_norm / (sq.sqrt() + 1e-6)).clamp(max=1.0)
+    def clip_(self, max_norm: float, grads: Optional[List[torch.Tensor]] = None,
+              absent: Optional[List[set]] = None) -> None:
+        """Clip the flat gradients ``grads`` (one per flat group; default: the groups' own) by their 2-norm
+        exactly as ``torch.nn.utils.clip_grad_norm_`` clips the parameters' gradients: per parameter a
+        norm in the gradient's dtype, the norm of those, the factor ``max_norm / (norm + 1e-6)`` at most 1
+        (bitwise its arithmetic; the padding and the parameters in ``absent``, without a gradient, are not
+        counted)."""
+        grads = [fg.grad for fg in self.groups] if grads is None else grads
+        absent = [set()] * len(grads) if absent is None else absent
+        views = [fg.view(g, i) for fg, g, a in zip(self.groups, grads, absent) for i in range(len(fg.params))
+                 if i not in a]
+        if not views:
+            return
+        total = torch.nn.utils.get_total_norm(views, 2.0)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.device))
 
     @property
     def nblocks(self) -> int:

@@ -156,7 +156,7 @@ class DSyncMode(Mode):
         # the provisional update uses this rank's own gradient, unscaled and clipped by its own norm
         ctx.scale_grads(inp.unscale)
         if inp.max_norm is not None:
-            ctx.scale_grads(ctx.clip_coef(inp.max_norm, ctx.sq_norm([fg.grad for fg in ctx.groups])))
+            ctx.clip_(inp.max_norm, absent=[fg.absent for fg in ctx.groups])
         finite = not ctx.any_nonfinite()
         self._observe()
         if self.options.delay == "auto":
@@ -242,9 +242,9 @@ class DSyncMode(Mode):
             if ctx.any_nonfinite(avgs):
                 skipped += 1
                 continue
-            if s.max_norm is not None:
-                ctx.scale_grads(ctx.clip_coef(s.max_norm, ctx.sq_norm(avgs)), avgs)
             absent = ctx.absent_everywhere(total)
+            if s.max_norm is not None:
+                ctx.clip_(s.max_norm, avgs, absent)
             for i, (snap, fg) in enumerate(zip(self._snap, ctx.groups)):
                 snap.hyper = s.hyper[fg.group_index]
                 snap.step = self._count[i] + 1

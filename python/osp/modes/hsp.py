@@ -13,7 +13,7 @@ waits for another longer than about one micro-batch. Without a closure HSP is BS
 from __future__ import annotations
 
 import time
-from typing import List, Optional
+from typing import Optional
 
 import torch
 
@@ -118,14 +118,14 @@ class HSPMode(Mode):
         # the sum over ranks is identical everywhere, so every rank scales, checks and steps alike
         # the mean per pass at BSP's scale, unscaled for a GradScaler: one pass over the gradients
         ctx.scale_grads(inp.passes / sum(counts) * (inp.unscale if inp.unscale is not None else 1.0))
-        for fg, a in zip(ctx.groups, ctx.absent_everywhere(host[3 * size:])):
+        absent = ctx.absent_everywhere(host[3 * size:])
+        for fg, a in zip(ctx.groups, absent):
             fg.set_grads(a)
         if ctx.any_nonfinite():
             rec.update(skipped=True, overflow=True)
             return rec
         if inp.max_norm is not None:
-            grads: List[torch.Tensor] = [fg.grad for fg in ctx.groups]
-            ctx.scale_grads(ctx.clip_coef(inp.max_norm, ctx.sq_norm(grads)))
+            ctx.clip_(inp.max_norm, absent=absent)
         unhooked_step(ctx.optimizer)
         rec["overflow"] = False
         return rec

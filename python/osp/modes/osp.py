@@ -103,14 +103,6 @@ class _Deferred:
     ndeferred: int = 0  # blocks in ``avg`` (known on the host: checks the kernels' buffers without a sync)
 
 
-@dataclass
-class _Clip:
-    """Clipping by the norm of the averaged gradient, pending on stage 2: the step's update is redone
-    for every block once the deferred part of the norm is known."""
-    max_norm: float
-    crit_sq: torch.Tensor  # squared norm of the averaged critical blocks (identical on every rank)
-
-
 class OSPMode(Mode):
     """Stage 1 starts from the backward hooks: when a bucket's gradients are ready its blocks are packed,
     the critical ones into the stage-1 buffer, whose part is averaged at once, the deferred ones into
@@ -135,7 +127,9 @@ class OSPMode(Mode):
         self._probe = EditProbe(ctx.groups)
         self.scores: Optional[torch.Tensor] = None  # block scores of the last averaged gradients
         self._pending: List[_Deferred] = []
-        self._clip: Optional[_Clip] = None
+        # clipping by the norm of the averaged gradient, pending on stage 2: the step's update is redone for
+        # every block (of every group) once the deferred part of the norm is known; its max_norm
+        self._clip: Optional[float] = None
         self._steps = 0
         # the buckets, as block ranges of their flat group (the blocks that start in the bucket's
         # elements: a block reaching into the next bucket up is ready, as that bucket started earlier)
@@ -369,7 +363,7 @@ class OSPMode(Mode):
             sidechannel.encode(
                 self._side, ctx.nonfinite(), self._checksum(plan.mask),
                 bandwidth=self._bw_sample, edited=edited, stale=stale,
-                deferred_sq=ctx.sq_norm(deferreds) if clip and deferring else 0.0, backward=self._backward_s,
+                backward=self._backward_s,
                 iteration=iteration)
             ctx.presence(self._side[len(sidechannel.FIELDS):])
             self._side_own.copy_(self._side)
@@ -431,13 +425,8 @@ class OSPMode(Mode):
             ops.merge_blocks(crit, None, mask, fg.block_size, fg.grad, fg.nblocks - plan.ncrit[gi])
             if scoring:
                 self._set_scores(crit, fg, mask, self._group_lo[gi])
-        coef = None
-        if clip:
-            crit_sq = ctx.sq_norm(crits)
-            # the provisional factor: the deferred part of the norm is estimated by the mean of the
-            # ranks' own deferred norms; the exact factor is applied when stage 2 lands
-            coef = ctx.clip_coef(inp.max_norm, crit_sq + side.deferred_sq)
-            self._clip = _Clip(inp.max_norm, crit_sq) if deferring else None
+        if clip:  # the exact factor is applied when stage 2 lands
+            self._clip = inp.max_norm if deferring else None
         # snapshot what the exact update of the deferred blocks needs
         for gi in launch2:
             fg = ctx.groups[gi]
@@ -455,7 +444,8 @@ class OSPMode(Mode):
             self._cur ^= 1  # the next backward packs into the other stage-2 buffer
         # LGP: the local update with the provisional gradient (averaged on critical blocks, this
         # rank's own on deferred ones); parameters without a gradient on any rank are left alone
-        ctx.scale_grads(coef)
+        if clip:  # provisionally by the norm of this gradient (the average's on one rank, bitwise torch's)
+            ctx.clip_(inp.max_norm, absent=absent)
         for fg, a in zip(ctx.groups, absent):
             fg.set_grads(a)
         unhooked_step(ctx.optimizer)
@@ -520,12 +510,10 @@ class OSPMode(Mode):
                 "are applied and its deferred blocks are left as before that step. Use float32 or bfloat16 "
                 "parameters, scale the loss down, or osp.BSP() / osp.DSync(), which skip such a step whole")
         items = [(d.snap, d.avg) for d in self._pending]
-        if self._clip is not None:  # the exact factor, from the whole averaged gradient's norm
-            sq = self._clip.crit_sq + self.ctx.sq_norm([d.avg for d in self._pending])
-            coef = self.ctx.clip_coef(self._clip.max_norm, sq)
+        if self._clip is not None:  # the exact factor, from the whole averaged gradient (every group's)
             for d in self._pending:
                 ops.merge_blocks(None, d.avg, d.mask, d.snap.fg.block_size, d.full, d.ndeferred)
-                d.full.mul_(coef)
+            self.ctx.clip_(self._clip, [d.full for d in self._pending], [d.absent for d in self._pending])
             items = [(d.snap, d.full) for d in self._pending]
         for d in self._pending:
             d.snap.absent = d.absent

@@ -377,6 +377,18 @@ def _freeze(env, t):
     _plain(env, t)
 
 
+def _freeze_two_groups(env, t):
+    """A branch skipped on one step, then a parameter of the same group frozen and unfrozen: the group's
+    parameters are one update apart, then equal again (two groups; found by the hypothesis layer)."""
+    if t == 3:
+        env.model.a.weight.requires_grad_(False)
+    if t == 5:
+        env.model.a.weight.requires_grad_(True)
+    env.zero_grad()
+    env.backward(t, branch=t != 2)
+    env.step(t)
+
+
 def _zero_false(env, t):
     env.zero_grad(set_to_none=False)
     env.backward(t)
@@ -464,6 +476,7 @@ PATTERNS: Dict[str, Pattern] = {p.name: p for p in [
     Pattern("branch-one-rank", _branch_one_rank),
     Pattern("scaler-overflow-one-rank", _overflow_one_rank, scaler=True),
     Pattern("freeze-unfreeze", _freeze),
+    Pattern("param-groups-freeze-unfreeze", _freeze_two_groups, groups=_two_groups),
     Pattern("param-groups", _plain, groups=_two_groups),
     Pattern("param-groups-branch-sometimes", _sometimes, groups=_two_groups),
     Pattern("lr-scheduler", _plain, scheduler=_step_lr),

@@ -185,20 +185,16 @@ class Generic:
         """How many updates the state of ``fg`` has had, where the kernels need it (Adam); else 0."""
         return 0.0
 
-    def set_step_count(self, groups: Sequence[FlatGroup], counts: Optional[Sequence[float]]) -> None:
-        """Make the wrapped optimizer's update number of each group's parameters ``counts`` (where a
-        fused kernel keeps it outside the optimizer's own state); ``None``: leave them."""
-
     def nbytes(self) -> int:
         """Bytes of the buffers kept for snapshots."""
         return sum(ws.nbytes() for ws in self._ws.values())
 
     def replay(self, items: List[Tuple[FlatGroup, torch.Tensor]], step_hyper: List[dict],
-               steps: Sequence[float], absent: Sequence[set] = ()) -> None:
+               absent: Sequence[set] = ()) -> None:
         """A provisional update of whole flat groups with the gradients ``items`` under the
         hyper-parameters of the step being replayed (``step_hyper``, one dict per param group);
-        ``steps``: its update number for each item (Adam's bias correction); ``absent``: per item, the
-        parameters that had no gradient in that step (left alone, as the provisional update left them)."""
+        ``absent``: per item, the parameters that had no gradient in that step (left alone, as the
+        provisional update left them). Update numbers (Adam's) continue from the state's."""
         absent = list(absent) or [set()] * len(items)
         with _stepping_only(self.optimizer) as set_grad:
             for g, h in zip(self.optimizer.param_groups, step_hyper):
@@ -331,9 +327,16 @@ class _Fused(Generic):
         self.adopt([s.fg for s, _ in generic])
 
     def advance(self, snaps):
-        # a fused correction computes in the snapshot's own buffers: they hold what it wrote
-        return [s if isinstance(s, FusedSnapshot) else self.snapshot(s.fg, s.mask, s.numel, s.hyper)
-                for s in snaps]
+        # a fused correction computes in the snapshot's own buffers: they hold what it wrote, the state
+        # before the next update
+        out = []
+        for s in snaps:
+            if isinstance(s, FusedSnapshot):
+                s.step += 1
+                out.append(s)
+            else:
+                out.append(self.snapshot(s.fg, s.mask, s.numel, s.hyper))
+        return out
 
     def restore(self, snaps):
         st = self.optimizer.state
@@ -344,6 +347,7 @@ class _Fused(Generic):
                 continue
             bs = s.fg.block_size
             ops.merge_blocks(None, s.param, s.mask, bs, s.fg.param, s.numel // bs)
+            self._set_count(s.fg, s.step - 1)  # the update number of the state snapshotted
             if any(buf is None for buf in s.state.values()):
                 for p in s.fg.params:  # the state begins after the snapshot
                     st.pop(p, None)
@@ -351,19 +355,19 @@ class _Fused(Generic):
             for key, buf in s.state.items():
                 ops.merge_blocks(None, buf, s.mask, bs, self.flat[id(s.fg)][key], s.numel // bs)
 
-    def replay(self, items, step_hyper, steps, absent=()):
-        generic, gsteps, gabsent = [], [], []
-        for (fg, grad), step, skip in zip(items, steps, list(absent) or [set()] * len(items)):
+    def replay(self, items, step_hyper, absent=()):
+        generic, gabsent = [], []
+        for (fg, grad), skip in zip(items, list(absent) or [set()] * len(items)):
             if skip or not (self.fused_ok(fg) and self.has_state(fg)):  # the kernels update whole groups
                 generic.append((fg, grad))
-                gsteps.append(step)
                 gabsent.append(skip)
                 continue
             state = {key: self.flat[id(fg)][key] for key in self.state_keys(fg)}
+            step = self.step_count(fg) + 1
             self._kernel(fg, fg.param, grad, state, step_hyper[fg.group_index], step)
             self._set_count(fg, step)
         if generic:
-            super().replay(generic, step_hyper, gsteps, gabsent)
+            super().replay(generic, step_hyper, gabsent)
             self.adopt([fg for fg, _ in generic])
 
     def _set_count(self, fg: FlatGroup, step: float) -> None:
@@ -421,8 +425,10 @@ class FusedAdam(_Fused):
         return self.keys + ("max_exp_avg_sq",) if amsgrad else self.keys
 
     def fused_ok(self, fg):
-        # the kernel takes one step number for the whole group
-        return super().fused_ok(fg) and len({self._step_of(p) for p in fg.params}) == 1
+        # the kernel takes one step number for the whole group; in fp16/bf16 torch's Adam rounds after
+        # every operation and the kernel once, so there torch's own step corrects (Adam's sensitivity to
+        # its second moment grows a last-bit difference into a visible one)
+        return super().fused_ok(fg) and fg.dtype == torch.float32 and len({self._step_of(p) for p in fg.params}) == 1
 
     def _step_of(self, p) -> float:
         st = self.optimizer.state.get(p)
@@ -433,13 +439,6 @@ class FusedAdam(_Fused):
 
     def _scalar_state(self, snap):
         return {"step": torch.tensor(float(snap.step) - 1.0, dtype=torch.get_default_dtype())}
-
-    def set_step_count(self, groups, counts):
-        if counts is None:
-            return
-        for fg, count in zip(groups, counts):
-            if self.fused_ok(fg):  # else restored with the rest of the generic snapshot
-                self._set_count(fg, count)
 
     def _set_count(self, fg, step):
         for p in fg.params:

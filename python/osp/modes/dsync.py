@@ -108,7 +108,6 @@ class DSyncMode(Mode):
         self._ws: Dict[int, Workspace] = {id(fg): Workspace(fg) for fg in ctx.groups}
         self._inflight: Deque[_Step] = collections.deque()
         self._snap: Optional[List[Snapshot]] = None  # the exact state before the oldest step in flight
-        self._count: List[float] = []  # the update number of that state (Adam's bias correction)
         self._ages: Deque[int] = collections.deque(maxlen=options.window)
         # the snapshot covers every block (none is critical)
         self._none = [torch.zeros(fg.nblocks, dtype=torch.bool, device=fg.device) for fg in ctx.groups]
@@ -179,8 +178,6 @@ class DSyncMode(Mode):
         rec["replayed"] = replayed
         if self._snap is None:  # nothing in flight: the state is exact
             self._take_snapshot()
-        self.corrector.set_step_count(ctx.groups, [c + replayed for c in self._count]
-                                      if due else None)
         # the provisional update with this rank's own gradient; a parameter without one here is left
         # alone, as torch.optim leaves it (its average may still bring a gradient from other ranks)
         absent = [set(fg.absent) for fg in ctx.groups]
@@ -217,7 +214,6 @@ class DSyncMode(Mode):
     def _take_snapshot(self) -> None:
         ctx = self.ctx
         self._snap = [self.corrector.snapshot(fg, m, fg.padded, {}) for fg, m in zip(ctx.groups, self._none)]
-        self._count = [self.corrector.step_count(fg) for fg in ctx.groups]
 
     def _apply(self, due: List[_Step]) -> int:
         """Restore the snapshot and apply the exact updates of ``due`` (oldest first); a step whose
@@ -247,7 +243,6 @@ class DSyncMode(Mode):
                 ctx.clip_(s.max_norm, avgs, absent)
             for i, (snap, fg) in enumerate(zip(self._snap, ctx.groups)):
                 snap.hyper = s.hyper[fg.group_index]
-                snap.step = self._count[i] + 1
                 snap.absent = absent[i]
             # parameters without a gradient on any rank keep their values from before the step
             held = [self.corrector.hold_from(snap, a) for snap, a in zip(self._snap, absent) if a]
@@ -257,7 +252,6 @@ class DSyncMode(Mode):
                 self._snap = [self.corrector.snapshot(fg, m, fg.padded, {}) for fg, m in zip(ctx.groups, self._none)]
             else:
                 self._snap = self.corrector.advance(self._snap)  # now the exact state before the next step
-            self._count = [c + 1 for c in self._count]
             exact = True
         if not exact:  # the snapshot is still the exact state: put it back
             self.corrector.restore(self._snap)
@@ -272,7 +266,7 @@ class DSyncMode(Mode):
             if not s.finite:
                 continue
             items = [(fg, self._buf(fg, "local", s.local)) for fg in self.ctx.groups]
-            self.corrector.replay(items, s.hyper, [c + n + 1 for c in self._count], s.absent)
+            self.corrector.replay(items, s.hyper, s.absent)
             n += 1
         return n
 
@@ -286,8 +280,6 @@ class DSyncMode(Mode):
                 self.buckets.wait(s.handles, self.ctx.timeout, "delayed gradient allreduce")
             skipped = self._apply(due)
             self._late_overflow |= skipped > 0  # a GradScaler hears of it at the next step
-            # the exact update numbers (the provisional ones counted this rank's own finite steps)
-            self.corrector.set_step_count(self.ctx.groups, self._count)
             self._snap = None
             if self.ctx.any_edited(edited, "dsync"):
                 raise edited_error("DSync")

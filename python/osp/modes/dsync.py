@@ -112,7 +112,7 @@ class DSyncMode(Mode):
         # the snapshot covers every block (none is critical)
         self._none = [torch.zeros(fg.nblocks, dtype=torch.bool, device=fg.device) for fg in ctx.groups]
         self.t = 0
-        self._late_overflow = False  # a step found skipped in flush(), not yet reported to a GradScaler
+        self._late_overflows = 0  # steps found skipped in flush(), not yet reported to a GradScaler
         self._arm()
 
     # -- buffers ------------------------------------------------------------------------------
@@ -170,8 +170,10 @@ class DSyncMode(Mode):
                 self._ages.append(self.t - s.index + (1 if time.perf_counter() - t0 > 1e-4 else 0))
         rec["stage2_wait_s"] = time.perf_counter() - t0
         skipped = self._apply(due) if due else 0
-        rec.update(skipped=skipped, overflow=skipped > 0 or self._late_overflow)
-        self._late_overflow = False
+        # a GradScaler backs off once per step that reports an overflow: one skipped step each
+        pending = self._late_overflows + skipped
+        rec.update(skipped=skipped, overflow=pending > 0)
+        self._late_overflows = max(0, pending - 1)
         t1 = time.perf_counter()
         replayed = self._replay() if due else 0
         rec["replay_s"] = time.perf_counter() - t1
@@ -279,7 +281,7 @@ class DSyncMode(Mode):
             for s in due:
                 self.buckets.wait(s.handles, self.ctx.timeout, "delayed gradient allreduce")
             skipped = self._apply(due)
-            self._late_overflow |= skipped > 0  # a GradScaler hears of it at the next step
+            self._late_overflows += skipped  # a GradScaler hears of them at the next steps
             self._snap = None
             if self.ctx.any_edited(edited, "dsync"):
                 raise edited_error("DSync")
@@ -288,6 +290,12 @@ class DSyncMode(Mode):
         else:
             self.ctx.on_synced()
         return skipped
+
+    def state_dict(self):
+        return {"late_overflows": self._late_overflows}  # a checkpoint after flush() keeps them
+
+    def load_state_dict(self, state):
+        self._late_overflows = int(state.get("late_overflows", 0))
 
     def after_load(self):
         self.corrector.adopt(self.ctx.groups)

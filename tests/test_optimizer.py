@@ -558,3 +558,16 @@ def test_auto_skips_the_smaller_trial_when_the_model_share_is_the_floor():
     b, shares = _feed_budget({1.0: 0.40, 0.05: 0.30}, bw=1e7)  # 32 MB in 3.2 s: 0.8 * 0.05 / 3.2 < 0.05
     assert b.model == 0.05 and "small" not in b.shares and not b.iterations["small"], (b.shares, shares)
     assert shares[4:7] == [0.05] * 3 and b.phase == "settled", shares
+
+
+def test_auto_measures_bsp_again_when_none_of_its_iterations_counted():
+    """A resume in the middle of the BSP probe loses the timing of its steps (the iteration before a step
+    arrives with it): the budget probes BSP again instead of comparing with nothing."""
+    from osp.policy import Budget
+    b = Budget("auto", 0.05, warmup=2)
+    for step in range(1, 30):
+        iteration = 0.0 if step <= 6 else (0.40 if b.count(1000) == 1000 else 0.32)
+        b.update(32e6, 1e8 if step in (2, 3) else 0.0, 0.05, iteration)
+        if b.phase == "settled":
+            break
+    assert b.phase == "settled" and b.iterations["bsp"] and b.fraction < 1.0, (b.phase, b.iterations)

@@ -145,6 +145,10 @@ class Budget:
     def _settle(self) -> None:
         """The largest share whose iterations no smaller share beats by ``MARGIN``."""
         med = {k: statistics.median(v) for k, v in self.iterations.items() if v and k in self.shares}
+        if "bsp" not in med:  # no fully critical iteration was counted (a resume loses the last step's
+            self.fraction = 1.0  # timing, and the probe is short): measure it again before comparing
+            self._enter("bsp")
+            return
         best = "bsp"
         for k in ("model", "small"):  # ever smaller shares
             if k in med and med[k] < (1.0 - self.MARGIN) * med[best]:

@@ -409,6 +409,15 @@ def _freeze_two_groups(env, t):
     env.step(t)
 
 
+def _group_without_gradients(env, t):
+    """The first of two groups has no gradient at all in the first step (its parameters frozen or off the
+    branch), then trains (found by the hypothesis layer: a fused correction of a group with no state)."""
+    env.model.a.weight.requires_grad_(t != 0)
+    env.zero_grad()
+    env.backward(t, branch=t != 0)
+    env.step(t)
+
+
 def _zero_false(env, t):
     env.zero_grad(set_to_none=False)
     env.backward(t)
@@ -499,6 +508,7 @@ PATTERNS: Dict[str, Pattern] = {p.name: p for p in [
     Pattern("scaler-overflow-one-rank", _overflow_one_rank, scaler=True),
     Pattern("freeze-unfreeze", _freeze),
     Pattern("param-groups-freeze-unfreeze", _freeze_two_groups, groups=_two_groups),
+    Pattern("param-group-without-gradients", _group_without_gradients, groups=_two_groups),
     Pattern("param-groups", _plain, groups=_two_groups),
     Pattern("param-groups-branch-sometimes", _sometimes, groups=_two_groups),
     Pattern("lr-scheduler", _plain, scheduler=_step_lr),

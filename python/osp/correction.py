@@ -313,6 +313,8 @@ class _Fused(Generic):
         generic = [(s, a) for s, a in items if not isinstance(s, FusedSnapshot)]
         for s, avg in items:
             if isinstance(s, FusedSnapshot):
+                if len(s.absent) == len(s.fg.params):  # no gradient anywhere: torch.optim leaves them all
+                    continue
                 self._set_count(s.fg, s.step)
                 if not keep and self._correct_into(s, avg):
                     continue

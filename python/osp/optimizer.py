@@ -116,7 +116,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._history: List[dict] = []
         self._totals = {"steps": 0, "skipped_steps": 0}
         ref = weakref.ref(self)
+        gindex = {id(fg): k for k, fg in enumerate(self.groups)}
+        self._order = [(gindex[id(self._where[p][0])], self._where[p][1]) for p in names if p in self._where]
         self._ctx = Context(optimizer=optimizer, groups=self.groups, comm=self.comm, timeout=self.timeout,
+                            order=self._order,
                             on_synced=lambda ref=ref: ref()._synced_now(), prefix=f"osp{uid}")
         self.mode: Mode = sync.build(self._ctx)
         # the hooks hold the optimizer weakly: a dropped optimizer must not keep reacting to backward
@@ -198,7 +201,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if missing:
             raise ValueError(f"osp: {len(missing)} parameter(s) of the optimizer are not in "
                              "named_parameters; pass model.named_parameters() of the same model")
-        return {p: by_id[id(p)] for p in params}
+        # in the model's order: clipping sums the parameters' norms in the order torch's would take them
+        position = {id(p): k for k, (_, p) in enumerate(named)}
+        return {p: by_id[id(p)] for p in sorted(params, key=lambda p: position[id(p)])}
 
     def _check_same_everywhere(self, names, uid: int) -> None:
         """Every rank must wrap the same parameters with the same options: compare signatures with
@@ -403,8 +408,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._check_fresh()
         if self.mode.grad_is_average:
             self.mode.synchronize()
-            params = [p for fg in self.groups for p in fg.params if p.grad is not None]
-            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
+            params = [self.groups[g].params[i] for g, i in self._order]
+            return torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], max_norm, norm_type,
+                                                  error_if_nonfinite)
         if float(norm_type) != 2.0:
             raise ValueError(f"osp: clip_grad_norm_ under {self.sync.name.upper()} clips by the 2-norm of the "
                              f"averaged gradient; norm_type={norm_type!r} is not supported (use 2.0 or osp.BSP())")

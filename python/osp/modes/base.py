@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -56,6 +56,8 @@ class Context:
     timeout: float  # seconds a collective may take before the step raises TimeoutError
     on_synced: Callable[[], None]  # call where replicas are bitwise equal (the public sync callback)
     prefix: str = "osp"  # names of this optimizer's collectives (unique per optimizer in a process)
+    #: (flat group, parameter) of every parameter in the model's order (``named_parameters``)
+    order: List[Tuple[int, int]] = field(default_factory=list)
 
     def any_edited(self, edited: Optional[torch.Tensor], what: str) -> bool:
         """Whether ``edited`` (this rank's EditProbe flag, or None: nothing to check) is set on some
@@ -103,14 +105,14 @@ class Context:
     def clip_(self, max_norm: float, grads: Optional[List[torch.Tensor]] = None,
               absent: Optional[List[set]] = None) -> None:
         """Clip the flat gradients ``grads`` (one per flat group; default: the groups' own) by their 2-norm
-        exactly as ``torch.nn.utils.clip_grad_norm_`` clips the parameters' gradients: per parameter a
-        norm in the gradient's dtype, the norm of those, the factor ``max_norm / (norm + 1e-6)`` at most 1
-        (bitwise its arithmetic; the padding and the parameters in ``absent``, without a gradient, are not
-        counted)."""
+        exactly as ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` clips the parameters'
+        gradients: per parameter a norm in the gradient's dtype, in the model's order, the norm of those, the
+        factor ``max_norm / (norm + 1e-6)`` at most 1 (bitwise its arithmetic; the padding and the parameters
+        in ``absent``, without a gradient, are not counted)."""
         grads = [fg.grad for fg in self.groups] if grads is None else grads
         absent = [set()] * len(grads) if absent is None else absent
-        views = [fg.view(g, i) for fg, g, a in zip(self.groups, grads, absent) for i in range(len(fg.params))
-                 if i not in a]
+        order = self.order or [(k, i) for k, fg in enumerate(self.groups) for i in range(len(fg.params))]
+        views = [self.groups[k].view(grads[k], i) for k, i in order if i not in absent[k]]
         if not views:
             return
         total = torch.nn.utils.get_total_norm(views, 2.0)

@@ -18,9 +18,9 @@ if ! "$VPY" -c 'import torch' 2>/dev/null; then
   log "installing torch==$TORCH_VERSION"
   pipq "torch==$TORCH_VERSION"
 fi
-"$VPY" -c 'import pytest, ruff, numpy, sklearn, ninja, psutil, cloudpickle, packaging' 2>/dev/null || {
+"$VPY" -c 'import pytest, ruff, numpy, sklearn, ninja, psutil, cloudpickle, packaging, hypothesis' 2>/dev/null || {
   log "installing test and build requirements"
-  pipq pytest ruff numpy scikit-learn ninja psutil cloudpickle packaging pyyaml setuptools wheel matplotlib
+  pipq pytest ruff numpy scikit-learn ninja psutil cloudpickle packaging pyyaml setuptools wheel matplotlib hypothesis
 }
 
 if ! command -v mpirun >/dev/null || ! command -v mpicxx >/dev/null; then

@@ -1,0 +1,581 @@
+"""Mutation testing (``make mutation``): how many small, plausible bugs the fast tests catch.
+
+``MUTANTS`` holds hand-written mutants of python/osp: each replaces one exact snippet (it must occur exactly
+once in its file, or the mutant is reported *stale*: the table needs updating) and names the fast in-process
+tests that should catch it (pytest arguments: node ids, files, ``-k`` expressions). Each mutant is applied
+in a fresh temporary copy of python/ and tests/ (the built extension too); the real checkout is never
+modified. In the copy, ``pytest -x`` runs the mutant's tests with PYTHONPATH pointing at the copy's
+python/ (ahead of the editable install's path entry: checked at start). The mutant is *killed* when they
+fail, *survived* when they pass, *timeout* (counted as killed) past ``--timeout`` seconds; *error* when
+pytest could not run them (no test selected, a bad node id). Before the mutants the union of all their
+tests runs once on the unmutated copy, which must pass (``--no-baseline`` skips it).
+
+    .venv/bin/python tests/mutation.py [--only ID[,ID]] [--list] [--jobs 1] [--json PATH] [--timeout 300]
+
+Exit status 0 when at least 95% of the mutants are killed and none is stale or in error, else 1 (2 when the
+harness itself cannot run: the copy does not import, the baseline fails).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import Dict, List, Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+THRESHOLD = 95.0
+PYTEST = ["-m", "pytest", "-x", "-q", "-p", "no:cacheprovider"]
+
+
+@dataclass(frozen=True)
+class Mutant:
+    id: str
+    path: str  # under python/osp/
+    old: str  # exact snippet, occurring once
+    new: str
+    tests: str  # pytest arguments (shell syntax, no shell runs them)
+    breaks: str
+
+
+FILES = {"conf": "tests/test_conformance.py", "opt": "tests/test_optimizer.py", "ops": "tests/test_ops.py",
+         "hsp": "tests/test_hsp.py"}
+
+
+def T(conf: Optional[str] = None, **more: str) -> str:
+    """The fast in-process tests for a mutant: ``conf``, a -k expression over the cases of the one-rank
+    conformance oracle (ids ``mode|pattern|optimizer|dtype``); ``opt=``, ``ops=``, ``hsp=``: -k
+    expressions over the tests of that file. One -k expression, each part qualified by its file (pytest
+    takes only the last -k), and never a multiproc test. The other files run first: their few tests are
+    the quicker kill (pytest -x stops at the first failure)."""
+    parts = list(more.items())
+    parts += [("conf", f"test_one_rank_equals_torch_optim and ({conf})")] if conf else []
+    files = " ".join(FILES[k] for k, _ in parts)
+    expr = " or ".join(f"({os.path.basename(FILES[k])} and ({e}))" for k, e in parts)
+    return f"{files} -m 'not multiproc and not bench' -k {shlex.quote(expr)}"
+
+
+#: the selections: the conformance cases of a mode family (every pattern, optimizer and dtype the
+#: tables generate for it), and the in-process tests of test_optimizer.py that exercise the same code
+OSP_MODES = "osp-0.25 or osp-0.0 or osp-auto-deferring"
+DSYNC_MODES = "dsync-1 or dsync-2 or dsync-3"
+BSP_MODES = "bsp or osp-1.0"
+EVERY_MODE = "bsp or osp-0.25 or dsync-2 or hsp-closure"
+OPT_OSP = "one_rank_osp or bucket_ready_last or critical_zero or tensor_lr or step_hooks"
+OPT_BSP = "BSP and not cuda"
+OPT_ALL = f"{OPT_OSP} or one_rank_dsync or extra_backward or param_groups_changed"
+
+M = Mutant
+MUTANTS: List[Mutant] = [
+    # -- modes/osp.py ------------------------------------------------------------------------------
+    M("osp-deferred-not-unscaled", "modes/osp.py",
+      "                ctx.scale_grads(inp.unscale, deferreds)\n", "                pass\n",
+      T(OSP_MODES, opt=OPT_OSP),
+      "GradScaler: deferred blocks packed in backward are averaged still scaled"),
+    M("osp-critical-not-unscaled", "modes/osp.py",
+      "                ctx.scale_grads(inp.unscale, [crit])\n", "                pass\n",
+      T(OSP_MODES, opt=OPT_OSP),
+      "GradScaler: critical blocks packed in backward are applied still scaled"),
+    M("osp-stale-ignored", "modes/osp.py",
+      "stale = inp.grads_changed or self._stale()", "stale = inp.grads_changed",
+      T(OSP_MODES, opt=OPT_OSP),
+      "a .grad changed after backward packed it is not packed again (the change is lost)"),
+    M("osp-clip-exact-coef-dropped", "modes/osp.py",
+      "            self.ctx.clip_(self._clip, [d.full for d in self._pending], [d.absent for d in self._pending])\n",
+      "",
+      T(OSP_MODES, opt=OPT_OSP),
+      "clip_grad_norm_: the exact correction applies the unclipped gradient"),
+    M("osp-clip-provisional-dropped", "modes/osp.py",
+      "            ctx.clip_(inp.max_norm, absent=absent)\n", "            pass\n",
+      T(OSP_MODES, opt=OPT_OSP),
+      "clip_grad_norm_: the provisional step is not clipped (the next forward runs at unclipped weights)"),
+    M("osp-absent-stepped", "modes/osp.py",
+      "            fg.set_grads(a)\n        unhooked_step(ctx.optimizer)",
+      "            fg.set_grads()\n        unhooked_step(ctx.optimizer)",
+      T(OSP_MODES, opt=OPT_OSP),
+      "parameters without a gradient on any rank are stepped with zeros (torch leaves them alone)"),
+    M("osp-edit-mask-swapped", "modes/osp.py",
+      "torch.ones_like(m) if self._clip is not None else ~m)",
+      "torch.ones_like(m) if self._clip is not None else m)",
+      T(OSP_MODES, opt=OPT_OSP),
+      "edit probe watches the exact (critical) blocks instead of the pending deferred ones"),
+    M("osp-deferred-scores-mask", "modes/osp.py",
+      "self._set_scores(d.avg, d.snap.fg, ~d.mask, d.lo)", "self._set_scores(d.avg, d.snap.fg, d.mask, d.lo)",
+      T(OSP_MODES, opt=OPT_OSP),
+      "scores of the landed deferred blocks are written to the critical blocks' places"),
+    M("osp-last-bucket-floor", "modes/osp.py",
+      "floor = min(counts[last], math.ceil(self.options.min_critical * sizes[last]))",
+      "floor = min(counts[last], math.floor(self.options.min_critical * sizes[last]))",
+      T(OSP_MODES, opt=OPT_OSP),
+      "the bucket ready last keeps one block fewer than its min_critical floor"),
+    # -- modes/dsync.py ----------------------------------------------------------------------------
+    M("dsync-unscale-wrong-buckets", "modes/dsync.py",
+      "for fg, lo, hi, _ in self.buckets.buckets[:s.scaled]:",
+      "for fg, lo, hi, _ in self.buckets.buckets[s.scaled:]:",
+      T(DSYNC_MODES, opt="one_rank_dsync"),
+      "GradScaler: unscales the buckets launched after unscale_ instead of those launched scaled"),
+    M("dsync-replay-step-off-by-one", "correction.py",
+      "            step = self.step_count(fg) + 1\n", "            step = self.step_count(fg)\n",
+      T(DSYNC_MODES, opt="one_rank_dsync"),
+      "replayed Adam updates use the previous update number (bias correction)"),
+    M("corr-advance-step-kept", "correction.py",
+      "                s.step += 1\n", "",
+      T(DSYNC_MODES, opt="one_rank_dsync"),
+      "DSync's advanced fused snapshot keeps the number of the update it was corrected with"),
+    M("corr-restore-count-kept", "correction.py",
+      "            self._set_count(s.fg, s.step - 1)  # the update number of the state snapshotted\n", "",
+      T(DSYNC_MODES),
+      "a fused restore (DSync: a skipped average) leaves Adam's update number one ahead"),
+    M("dsync-late-overflows-once", "modes/dsync.py",
+      "        self._late_overflows = max(0, pending - 1)", "        self._late_overflows = 0",
+      T(DSYNC_MODES),
+      "two overflows found by one flush() back a GradScaler off once"),
+    M("dsync-late-overflows-not-saved", "modes/dsync.py",
+      "        self._late_overflows = int(state.get(\"late_overflows\", 0))", "        pass",
+      T(DSYNC_MODES),
+      "an overflow found by flush() is lost across a checkpoint"),
+    M("dsync-due-one-late", "modes/dsync.py",
+      "if self.t - s.index >= self.delay]", "if self.t - s.index > self.delay]",
+      T(DSYNC_MODES, opt="one_rank_dsync"),
+      "an average is applied a step later than its delay (buffers reused while still needed)"),
+    M("dsync-grad-edit-check-per-rank", "modes/dsync.py",
+      "if total[_GRADS] > 0:", "if total[_GRADS] > 1:",
+      T(DSYNC_MODES, opt="one_rank_dsync"),
+      "a .grad edited after backward on one rank only is not refused (silently inexact)"),
+    M("dsync-current-hyper", "modes/dsync.py",
+      "snap.hyper = s.hyper[fg.group_index]", "snap.hyper = hyper(ctx.optimizer.param_groups[fg.group_index])",
+      T(DSYNC_MODES, opt="one_rank_dsync"),
+      "the exact update uses today's lr, not the lr of the step it corrects"),
+    M("dsync-clip-not-on-average", "modes/dsync.py",
+      "ctx.clip_(s.max_norm, avgs, absent)",
+      "ctx.clip_(s.max_norm, absent=absent)",
+      T(DSYNC_MODES, opt="one_rank_dsync"),
+      "clip_grad_norm_: the clip factor scales .grad instead of the average being applied"),
+    # -- modes/bsp.py ------------------------------------------------------------------------------
+    M("bsp-absent-stepped", "modes/bsp.py",
+      "            fg.set_grads(a)\n", "            fg.set_grads()\n",
+      T(BSP_MODES, opt=OPT_BSP),
+      "parameters without a gradient on any rank are stepped with zeros"),
+    M("bsp-nonfinite-not-skipped", "modes/bsp.py",
+      "        if self.ctx.any_nonfinite():\n", "        if False:\n",
+      T(BSP_MODES, opt=OPT_BSP),
+      "a step with an inf/nan average is applied instead of skipped"),
+    M("bsp-missing-buckets-not-forced", "modes/bsp.py",
+      "handles = list(self.buckets.launch(force=True))", "handles = list(self.buckets.launch(force=False))",
+      T(BSP_MODES, opt=OPT_BSP),
+      "a bucket with a missing gradient is never averaged (nor gathered into the flat gradient)"),
+    # -- modes/hsp.py ------------------------------------------------------------------------------
+    M("hsp-mean-ignores-passes", "modes/hsp.py",
+      "ctx.scale_grads(inp.passes / sum(counts) *", "ctx.scale_grads(1.0 / sum(counts) *",
+      T("hsp", hsp="one_rank or closure"),
+      "backward_passes_per_step=k: the mean per pass loses BSP's factor k"),
+    M("hsp-unscale-dropped", "modes/hsp.py",
+      "* (inp.unscale if inp.unscale is not None else 1.0))", ")",
+      T("hsp", hsp="one_rank or closure"),
+      "GradScaler: the summed gradient is applied still scaled"),
+    M("hsp-clip-max-norm-squared", "modes/hsp.py",
+      "ctx.clip_(inp.max_norm, absent=absent)", "ctx.clip_(inp.max_norm ** 2, absent=absent)",
+      T("hsp", hsp="one_rank or closure"),
+      "clip_grad_norm_: clips to the square of max_norm"),
+    # -- modes/base.py -----------------------------------------------------------------------------
+    M("base-clip-coef-no-clamp", "modes/base.py",
+      "coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)", "coef = max_norm / (total + 1e-6)",
+      T(EVERY_MODE, opt=OPT_ALL),
+      "the clip factor is not capped at 1: small gradients are scaled up"),
+    M("base-presence-offsets", "modes/base.py",
+      "            lo += len(fg.params)\n        return out",
+      "            lo += len(fg.params) - 1\n        return out",
+      T(EVERY_MODE, opt=OPT_ALL),
+      "presence of the second param group is read one parameter off"),
+    M("base-clip-first-group-only", "modes/base.py",
+      "        for g in grads:\n            g.mul_(coef.to(g.device))",
+      "        for g in grads[:1]:\n            g.mul_(coef.to(g.device))",
+      T(EVERY_MODE, opt=OPT_ALL),
+      "clipping scales the first flat group only (several param groups keep their unclipped gradients)"),
+    M("base-share-excludes-zero", "modes/base.py",
+      "not 0.0 <= float(value) <= 1.0", "not 0.0 < float(value) <= 1.0",
+      T(EVERY_MODE, opt=f"invalid_osp_options or {OPT_ALL}"),
+      "check_share rejects 0 (OSP's default min_critical)"),
+    # -- correction.py -----------------------------------------------------------------------------
+    M("corr-sgd-into-maximize-dropped", "correction.py",
+      'maximize=h.get("maximize", False), first=bool(momentum) and snap_mom is None',
+      "maximize=False, first=bool(momentum) and snap_mom is None",
+      T(f"{OSP_MODES} or {DSYNC_MODES}", opt=OPT_ALL),
+      "the fused SGD correction ignores maximize"),
+    M("corr-snapshot-step-number", "correction.py",
+      "        s.step = self.step_count(fg) + 1\n", "        s.step = self.step_count(fg)\n",
+      T(f"{OSP_MODES} or {DSYNC_MODES}", opt=OPT_ALL),
+      "the corrected Adam update gets the previous update number"),
+    M("corr-others-not-hidden", "correction.py",
+      "        for p in self.params:\n            p.grad = None\n", "",
+      T(f"{OSP_MODES} or {DSYNC_MODES}", opt=OPT_ALL),
+      "a generic correction re-steps every parameter, not only the touched ones"),
+    M("corr-hyper-not-copied", "correction.py",
+      "        return v.detach().clone()\n", "        return v.detach()\n",
+      T(f"{OSP_MODES} or {DSYNC_MODES}", opt=OPT_ALL),
+      "a tensor lr is snapshotted by reference: the scheduler's in-place update reaches old steps"),
+    M("corr-hyper-not-restored", "correction.py",
+      "        for g, h in zip(self.optimizer.param_groups, self.hyper):\n            g.update(h)\n", "",
+      T(f"{OSP_MODES} or {DSYNC_MODES}", opt=OPT_ALL),
+      "after a generic correction the param groups keep the corrected step's hyper-parameters"),
+    M("corr-whole-never", "correction.py",
+      "self.whole = type(optimizer) not in PER_PARAMETER", "self.whole = False",
+      T(f"{OSP_MODES} or {DSYNC_MODES}", opt=OPT_ALL),
+      "an optimizer that reads every gradient (global norm) is corrected on the touched parameters only"),
+    # -- policy.py ---------------------------------------------------------------------------------
+    M("policy-lowest-critical", "policy.py",
+      "torch.sort(scores, descending=True, stable=True)", "torch.sort(scores, descending=False, stable=True)",
+      T("osp-auto or osp-0.25", opt="bucket_ready_last or auto_ or critical_zero or one_rank_osp"),
+      "select_critical picks the LOWEST-scoring blocks"),
+    M("policy-settle-without-bsp", "policy.py",
+      "        if \"bsp\" not in med:", "        if False:",
+      T("osp-auto", opt="auto_"),
+      "auto settles with no fully critical iteration counted (KeyError after a resume in the probe)"),
+    M("policy-count-floor", "policy.py",
+      "max(math.ceil(frac * nblocks), math.ceil(self.min_critical * nblocks))",
+      "max(int(frac * nblocks), math.ceil(self.min_critical * nblocks))",
+      T("osp-auto or osp-0.25", opt="bucket_ready_last or auto_ or critical_zero or one_rank_osp"),
+      "the critical count rounds down (documented: ceil(critical * nblocks))"),
+    M("policy-margin-sign", "policy.py",
+      "med[k] < (1.0 - self.MARGIN) * med[best]", "med[k] < (1.0 + self.MARGIN) * med[best]",
+      T("osp-auto or osp-0.25", opt="bucket_ready_last or auto_ or critical_zero or one_rank_osp"),
+      "auto keeps a smaller share that is up to 3% SLOWER than BSP"),
+    M("policy-small-share-below-floor", "policy.py",
+      "small = max(self.min_critical, self.model / 4)", "small = min(self.min_critical, self.model / 4)",
+      T("osp-auto or osp-0.25", opt="bucket_ready_last or auto_ or critical_zero or one_rank_osp"),
+      "auto's small trial ignores the min_critical floor"),
+    # -- sidechannel.py ----------------------------------------------------------------------------
+    M("side-presence-off-by-one", "sidechannel.py",
+      "presence=t[n:])", "presence=t[n + 1:])",
+      T(OSP_MODES, opt=OPT_OSP),
+      "decoded presence starts one field late"),
+    M("side-nonfinite-needs-two", "sidechannel.py",
+      'nonfinite=f["nonfinite"] > 0', 'nonfinite=f["nonfinite"] > 1',
+      T(OSP_MODES, opt=OPT_OSP),
+      "one rank's inf/nan does not skip the step"),
+    M("side-stale-reads-edited", "sidechannel.py",
+      'stale=f["stale"] > 0', 'stale=f["edited"] > 0',
+      T(OSP_MODES, opt=OPT_OSP),
+      "the stale flag is decoded from the edited field (copy-paste)"),
+    M("side-edited-never", "sidechannel.py",
+      'edited=f["edited"] > 0,', 'edited=False,',
+      T(OSP_MODES, opt=OPT_OSP),
+      "a parameter edit while a correction is pending is no longer refused (the correction overwrites it)"),
+    # -- layout.py ---------------------------------------------------------------------------------
+    M("layout-nblocks-floor", "layout.py",
+      "self.nblocks = max(1, -(-off // block_size))", "self.nblocks = max(1, off // block_size)",
+      T(EVERY_MODE, opt=OPT_ALL),
+      "a short last block is dropped (the flat buffer is too small)"),
+    M("layout-zero-grad-keep-no-zero", "layout.py",
+      "            self.grad.zero_()\n", "            pass\n",
+      T(EVERY_MODE, opt=OPT_ALL),
+      "zero_grad(set_to_none=False) leaves the gradients as they were"),
+    M("layout-zero-grad-keep-revives-none", "layout.py",
+      "p.grad = None if set_to_none or p.grad is None else gv", "p.grad = None if set_to_none else gv",
+      T(EVERY_MODE, opt=OPT_ALL),
+      "zero_grad(set_to_none=False) gives a zero gradient to a parameter that had none"),
+    M("layout-probe-mask-or", "layout.py",
+      "diff = diff & masks[i]", "diff = diff | masks[i]",
+      T(EVERY_MODE, opt=OPT_ALL),
+      "the edit probe flags every watched block as edited"),
+    # -- buckets.py --------------------------------------------------------------------------------
+    M("buckets-first-cap", "buckets.py",
+      "first = min(limit, FIRST_BUCKET_BYTES)", "first = FIRST_BUCKET_BYTES",
+      T(EVERY_MODE, opt=OPT_ALL),
+      "the first bucket is 1 MiB even when bucket_mb is smaller"),
+    M("buckets-dest-not-copied", "buckets.py",
+      "                buf[lo:hi].copy_(fg.grad[lo:hi])\n", "                pass\n",
+      T(EVERY_MODE, opt=OPT_ALL),
+      "a mode's own average buffer is averaged without the bucket's gradient copied in"),
+    M("buckets-last-dropped", "buckets.py",
+      "            if cur:\n                self.buckets.append((fg, lo, hi, cur))\n", "",
+      T(EVERY_MODE, opt=OPT_ALL),
+      "the last, partly filled bucket of each group is never created"),
+    # -- ops.py ------------------------------------------------------------------------------------
+    M("ops-unpack-accumulate-dropped", "ops.py",
+      "torch.ops.osp.unpack_blocks(buf, block_ids, block_size, flat, accumulate)",
+      "torch.ops.osp.unpack_blocks(buf, block_ids, block_size, flat, False)",
+      T(ops="not cuda"),
+      "unpack_blocks(accumulate=True) copies instead of adding"),
+    M("ops-sgd-flags-swapped", "ops.py",
+      "                                nesterov, maximize, first)",
+      "                                maximize, nesterov, first)",
+      T(ops="not cuda"),
+      "sgd_step_ passes maximize as nesterov and vice versa"),
+    M("ops-adam-decoupled-dropped", "ops.py",
+      "weight_decay, amsgrad, maximize, decoupled)", "weight_decay, amsgrad, maximize, False)",
+      T(ops="not cuda"),
+      "adam_step_ ignores decoupled (AdamW becomes Adam)"),
+    M("ops-block-size-zero-accepted", "ops.py",
+      "isinstance(block_size, bool) or block_size <= 0:", "isinstance(block_size, bool) or block_size < 0:",
+      T(ops="not cuda"),
+      "block_size=0 passes the wrappers' check"),
+    M("ops-mask-numels-short-side", "ops.py",
+      "(0 if last else short_by)", "(short_by if last else 0)",
+      T(ops="not cuda"),
+      "mask_numels charges the short last block to the wrong side"),
+    M("ops-dense-check-dropped", "ops.py",
+      '    _check_dense(grad, "grad")\n', "",
+      T(ops="not cuda"),
+      "score_blocks no longer refuses a sparse gradient with a clear message"),
+]
+
+
+# -- the copy and the runs --------------------------------------------------------------------------
+
+@dataclass
+class Result:
+    id: str
+    file: str
+    breaks: str
+    tests: str
+    status: str  # killed, survived, timeout, error, stale
+    seconds: float = 0.0
+    rc: Optional[int] = None
+    detail: str = ""  # the first failing test (killed), why (error, stale)
+
+
+_procs: Dict[int, subprocess.Popen] = {}
+_lock = threading.Lock()
+
+
+def make_copy() -> str:
+    """A fresh temporary copy of python/ (with the built extension), tests/ and pyproject.toml (the
+    pytest configuration)."""
+    tmp = tempfile.mkdtemp(prefix="osp-mutation-")
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
+    for d in ("python", "tests"):
+        shutil.copytree(os.path.join(ROOT, d), os.path.join(tmp, d), ignore=ignore)
+    shutil.copy2(os.path.join(ROOT, "pyproject.toml"), tmp)
+    return tmp
+
+
+def env_for(copy: str, jobs: int) -> dict:
+    env = dict(os.environ)
+    # first on sys.path: ahead of the editable install's entry for the checkout's python/
+    env["PYTHONPATH"] = os.path.join(copy, "python") + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    if jobs > 1:
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // jobs)))
+    return env
+
+
+def run(cmd: List[str], copy: str, jobs: int, timeout: float):
+    """(rc or None on timeout, output, seconds); the process group is killed on timeout."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=copy, env=env_for(copy, jobs), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    with _lock:
+        _procs[proc.pid] = proc
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        rc = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        rc = None
+    finally:
+        with _lock:
+            _procs.pop(proc.pid, None)
+    return rc, out, time.perf_counter() - t0
+
+
+def apply(m: Mutant, root: str) -> Optional[str]:
+    """Apply ``m`` under ``root`` (a copy); returns why it cannot be applied, or None."""
+    path = os.path.join(root, "python", "osp", m.path)
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as e:
+        return f"cannot read {m.path}: {e}"
+    n = text.count(m.old)
+    if n != 1:
+        return f"snippet occurs {n} times in {m.path} (expected once): update the table"
+    mutated = text.replace(m.old, m.new)
+    try:
+        compile(mutated, path, "exec")
+    except SyntaxError as e:
+        return f"the mutated {m.path} does not compile: {e}"
+    if root != ROOT:
+        with open(path, "w") as f:
+            f.write(mutated)
+    return None
+
+
+def first_failure(out: str) -> str:
+    for line in out.splitlines():
+        if line.startswith(("FAILED ", "ERROR ")):
+            return line[:200]
+    lines = [ln for ln in out.splitlines() if ln.strip()]
+    return lines[-1][:200] if lines else ""
+
+
+def run_mutant(m: Mutant, jobs: int, timeout: float) -> Result:
+    res = Result(m.id, m.path, m.breaks, m.tests, "error")
+    copy = make_copy()
+    try:
+        why = apply(m, copy)
+        if why is not None:
+            res.status, res.detail = "stale", why
+            return res
+        rc, out, res.seconds = run([sys.executable, *PYTEST, *shlex.split(m.tests)], copy, jobs, timeout)
+        res.rc = rc
+        if rc is None:
+            res.status, res.detail = "timeout", f"past {timeout:g} s"
+        elif rc == 0:
+            res.status = "survived"
+        elif rc in (1, 2):  # tests failed, or collection failed on the mutated code
+            res.status, res.detail = "killed", first_failure(out)
+        else:  # 3 internal error, 4 usage error (a bad node id), 5 no test selected
+            res.status, res.detail = "error", f"pytest exit {rc}: {first_failure(out)}"
+        return res
+    finally:
+        shutil.rmtree(copy, ignore_errors=True)
+
+
+def check_copy_imports(jobs: int) -> None:
+    """The subprocesses must import the copy, not the checkout (osp is installed editable)."""
+    copy = make_copy()
+    try:
+        code = "import osp, osp.ops; print(osp.__file__); print(osp.ops.HAS_EXTENSION)"
+        rc, out, _ = run([sys.executable, "-c", code], copy, jobs, 120)
+        lines = out.strip().splitlines()
+        where = os.path.realpath(lines[-2]) if len(lines) >= 2 else ""
+        if rc != 0 or not where.startswith(os.path.realpath(copy) + os.sep) or lines[-1] != "True":
+            sys.exit(f"mutation: the copy does not import as it should (rc {rc}): {out.strip()[-2000:]}")
+        print(f"mutation: subprocesses import osp from the copy ({where}), with its built extension")
+    finally:
+        shutil.rmtree(copy, ignore_errors=True)
+
+
+def _merge(specs: List[str]) -> List[List[str]]:
+    """The pytest arguments that run the union of ``specs``: those made by ``T`` (files, the same -m, one
+    -k whose parts are qualified by file) in one run, any other on its own."""
+    merged: Dict[str, List] = {}  # -m -> [files, -k parts]
+    alone = []
+    for spec in specs:
+        args = shlex.split(spec)
+        files = [a for a in args if a.endswith(".py")]
+        rest = [a for a in args if not a.endswith(".py")]
+        if len(rest) == 4 and rest[0] == "-m" and rest[2] == "-k":
+            entry = merged.setdefault(rest[1], [[], []])
+            entry[0] += [f for f in files if f not in entry[0]]
+            entry[1].append(f"({rest[3]})")
+        else:
+            alone.append(args)
+    return [[*files, "-m", m, "-k", " or ".join(parts)] for m, (files, parts) in merged.items()] + alone
+
+
+def baseline(mutants: List[Mutant], jobs: int, timeout: float) -> None:
+    """The union of the mutants' tests must pass on the unmutated copy (or every mutant would look
+    killed). A mutant's selection that selects no test is reported when it runs (pytest exit 5: error)."""
+    copy = make_copy()
+    try:
+        for args in _merge(sorted({m.tests for m in mutants})):
+            print(f"mutation: baseline: the mutants' tests on the unmutated copy ({' '.join(args)[:100]}...)",
+                  flush=True)
+            rc, out, secs = run([sys.executable, *PYTEST, *args], copy, jobs, max(timeout, 900))
+            if rc != 0:
+                sys.exit(f"mutation: the baseline fails without any mutant (pytest exit {rc}, {secs:.0f} s): "
+                         f"{first_failure(out)}")
+            print(f"mutation: baseline passed in {secs:.0f} s: {first_failure(out)}", flush=True)
+    finally:
+        shutil.rmtree(copy, ignore_errors=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--only", help="comma-separated mutant ids")
+    ap.add_argument("--list", action="store_true", help="list the mutants (and whether they apply) and exit")
+    ap.add_argument("--jobs", type=int, default=1, help="mutants run at once (default 1)")
+    ap.add_argument("--json", help="write the results to this file")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per mutant (default 300)")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the run of the tests without mutants")
+    args = ap.parse_args(argv)
+
+    ids = [m.id for m in MUTANTS]
+    assert len(set(ids)) == len(ids), "mutant ids must be unique"
+    mutants = MUTANTS
+    if args.only:
+        want = [s.strip() for s in args.only.split(",") if s.strip()]
+        unknown = [w for w in want if w not in ids]
+        if unknown:
+            print(f"mutation: unknown mutant id(s): {', '.join(unknown)}", file=sys.stderr)
+            return 2
+        mutants = [m for m in MUTANTS if m.id in want]
+
+    if args.list:
+        for m in mutants:
+            why = apply(m, ROOT)  # checks only: the checkout is never written
+            print(f"{m.id:<34} {m.path:<16} {'STALE: ' + why if why else m.breaks}\n{'':<34} tests: {m.tests}")
+        return 0
+
+    stale = {m.id: apply(m, ROOT) for m in mutants}
+    stale = {k: v for k, v in stale.items() if v}
+    for k, v in stale.items():
+        print(f"mutation: {k}: STALE: {v}", flush=True)
+    live = [m for m in mutants if m.id not in stale]
+
+    t_start = time.perf_counter()
+    jobs = max(1, args.jobs)
+    check_copy_imports(jobs)
+    if not args.no_baseline and live:
+        baseline(live, jobs, args.timeout)
+
+    results: Dict[str, Result] = {}
+    done = [0]
+
+    def one(m: Mutant) -> Result:
+        r = run_mutant(m, jobs, args.timeout)
+        with _lock:
+            done[0] += 1
+            results[m.id] = r
+            print(f"[{done[0]:>2}/{len(live)}] {r.id:<34} {r.status:<8} {r.seconds:6.1f}s  {r.file:<16} "
+                  f"{r.detail if r.status != 'survived' else r.breaks}", flush=True)
+        return r
+
+    try:
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            list(pool.map(one, live))
+    except KeyboardInterrupt:
+        with _lock:
+            for p in list(_procs.values()):
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        raise
+
+    for k, v in stale.items():
+        m = next(m for m in mutants if m.id == k)
+        results[k] = Result(m.id, m.path, m.breaks, m.tests, "stale", detail=v)
+    ordered = [results[m.id] for m in mutants]
+    by = {s: [r.id for r in ordered if r.status == s] for s in ("killed", "timeout", "survived", "error", "stale")}
+    n = len(ordered) - len(by["stale"])
+    k = len(by["killed"]) + len(by["timeout"])
+    rate = 100.0 * k / n if n else 0.0
+    total = time.perf_counter() - t_start
+    timeouts = f", {len(by['timeout'])} of them by timeout" if by["timeout"] else ""
+    print(f"mutation: {k} killed of {n} ({rate:.1f}%){timeouts}, in {total / 60:.1f} min")
+    print(f"mutation: survivors: {', '.join(by['survived']) or 'none'}")
+    for s in ("timeout", "error", "stale"):
+        if by[s]:
+            print(f"mutation: {s}: {', '.join(by[s])}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"killed": k, "total": n, "rate": rate, "threshold": THRESHOLD, "seconds": total,
+                       **{s: v for s, v in by.items()}, "mutants": [asdict(r) for r in ordered]}, f, indent=1)
+    return 0 if n and rate >= THRESHOLD and not by["error"] and not by["stale"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -421,8 +421,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _step_supports_amp_scaling(self) -> bool:
         # torch.amp.GradScaler: where .grad is this rank's own gradient (OSP, DSync), a scaler must not
         # skip step() on the ranks that overflowed alone (the others would wait for them): it calls
-        # step() on every rank and osp unscales, skips on every rank alike and tells the scaler so
-        return not self.mode.grad_is_average
+        # step() on every rank and osp unscales, skips on every rank alike and tells the scaler so. Where
+        # .grad is the average (BSP), a wrapped optimizer that unscales in its own kernels (fused=True) is
+        # handed the scaler's figures, as torch.optim would be
+        return not self.mode.grad_is_average or bool(getattr(self.optimizer, "_step_supports_amp_scaling", False))
 
     def _check_fresh(self):
         if not self._fresh:
@@ -481,7 +483,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                         max_norm=self._max_norm, passes=self.backward_passes_per_step,
                         extra=None if closure is None else (lambda: self._run_extra(closure)))
         scaler_state = None
-        if getattr(self, "found_inf", None) is not None and self._step_supports_amp_scaling:
+        if getattr(self, "found_inf", None) is not None and self.mode.grad_is_average:
+            inp.amp = (self.grad_scale, self.found_inf)  # for the wrapped optimizer's own unscaling
+        elif getattr(self, "found_inf", None) is not None and self._step_supports_amp_scaling:
             scaler, scaler_state = _calling_grad_scaler(self)
             half = [fg.names[0] for fg in self.groups if fg.dtype == torch.float16]
             # as GradScaler.unscale_() refuses them, unless the wrapped optimizer unscales itself (fused)

@@ -42,6 +42,9 @@ class StepInput:
     grads_changed: bool = False
     #: parameters whose ``.grad`` was changed in place or replaced between backward and ``step()``
     edited: List[str] = field(default_factory=list)
+    #: a GradScaler's ``(grad_scale, found_inf)`` for a wrapped optimizer that unscales itself (``fused``),
+    #: where ``.grad`` is the average (BSP)
+    amp: Optional[tuple] = None
     #: ``step(closure)`` (modes with ``accepts_closure``): run one more micro-batch, accumulating into
     #: ``.grad``; returns its backward passes (>= 1) or raises
     extra: Optional[Callable[[], int]] = None

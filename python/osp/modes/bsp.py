@@ -83,5 +83,12 @@ class BSPMode(Mode):
         if self.ctx.any_nonfinite():
             rec["skipped"] = True
             return rec
-        unhooked_step(self.ctx.optimizer)
+        opt = self.ctx.optimizer
+        if inp.amp is not None:  # a fused optimizer unscales (and checks) the average itself
+            opt.grad_scale, opt.found_inf = inp.amp
+        try:
+            unhooked_step(opt)
+        finally:
+            if inp.amp is not None:
+                del opt.grad_scale, opt.found_inf
         return rec

@@ -643,6 +643,17 @@ def run_case(case: Case) -> Outcome:
     return Outcome("bitwise" if bitwise else "ulp")
 
 
+def verdict(case: Case, out: Outcome) -> Optional[str]:
+    """What is wrong with ``out`` for ``case`` (None: nothing): not an accepted outcome, or a refusal the
+    REFUSED table promises that did not come (unless torch itself refused or went non-finite first)."""
+    if not out.ok:
+        return f"{case.id}: {out.kind}: {out.detail}"
+    want = refusal(case.mode, case.pattern)
+    if want is not None and out.kind not in ("refused", "torch-refuses", "torch-nonfinite"):
+        return f"{case.id}: expected a refusal ({want!r}), got {out.kind}"
+    return None
+
+
 def _compare_steps(got, ref) -> Optional[Outcome]:
     """A ``differs`` outcome naming the first parameter outside the bound after some step, or None."""
     for t, (pa, pb) in enumerate(zip(got, ref)):

@@ -27,8 +27,9 @@ def main(markdown: bool) -> int:
     for case in test_conformance.CASES:
         out = C.run_case(case)
         counts[case.mode][out.kind] += 1
-        if not out.ok:
-            bad.append(f"{case.id}: {out.kind}: {out.detail}")
+        wrong = C.verdict(case, out)
+        if wrong is not None:
+            bad.append(wrong)
     total = collections.Counter()
     for c in counts.values():
         total.update(c)

@@ -331,6 +331,14 @@ def _clip_opt(env, t):
     env.step(t)
 
 
+def _clip_opt_loose(env, t):
+    """A max_norm above the gradient's norm: the factor is capped at 1 (nothing scaled up)."""
+    env.zero_grad()
+    env.backward(t)
+    env.clip(50.0)
+    env.step(t)
+
+
 def _grad_inplace(env, t):
     env.zero_grad()
     env.backward(t)
@@ -494,6 +502,8 @@ PATTERNS: Dict[str, Pattern] = {p.name: p for p in [
     Pattern("accumulate-3", _accumulate, bpps=3),
     Pattern("clip-torch", _clip_torch),
     Pattern("clip-opt", _clip_opt),
+    Pattern("clip-opt-loose", _clip_opt_loose),
+    Pattern("param-groups-clip-opt", _clip_opt, groups=_two_groups),
     Pattern("grad-inplace", _grad_inplace),
     Pattern("grad-replaced", _grad_replaced),
     Pattern("scaler", _plain, scaler=True),
@@ -513,7 +523,7 @@ PATTERNS: Dict[str, Pattern] = {p.name: p for p in [
     Pattern("param-groups-branch-sometimes", _sometimes, groups=_two_groups),
     Pattern("lr-scheduler", _plain, scheduler=_step_lr),
     Pattern("tensor-lr-scheduler", _plain, groups=_tensor_lr_groups, scheduler=_step_lr),
-    Pattern("zero-grad-keep", _zero_false),
+    Pattern("zero-grad-keep", _zero_false, use_unused=False),  # a gradient that is None must stay None
     Pattern("flush-mid-run", _flush_mid),
     Pattern("state-dict-round-trip", _flush_reload),
     Pattern("edit-after-flush", _edit(True)),

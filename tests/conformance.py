@@ -395,13 +395,15 @@ def _sometimes(env, t):
     env.step(t)
 
 
+def freeze_schedule(model, t):
+    """The freeze-unfreeze pattern's requires_grad changes at step ``t`` (a replay repeats them)."""
+    if t in (2, 5):
+        model.branch.weight.requires_grad_(t == 5)
+        model.a.bias.requires_grad_(t == 5)
+
+
 def _freeze(env, t):
-    if t == 2:
-        env.model.branch.weight.requires_grad_(False)
-        env.model.a.bias.requires_grad_(False)
-    if t == 5:
-        env.model.branch.weight.requires_grad_(True)
-        env.model.a.bias.requires_grad_(True)
+    freeze_schedule(env.model, t)
     _plain(env, t)
 
 

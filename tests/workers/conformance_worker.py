@@ -40,12 +40,7 @@ def replay(case, logs):
     bsp = C.MODES[case.mode].family == "bsp"
     for t in range(ref.steps):
         if C.PATTERNS[case.pattern].body is C._freeze:  # the same requires_grad changes as the loop
-            if t == 2:
-                ref.model.branch.weight.requires_grad_(False)
-                ref.model.a.bias.requires_grad_(False)
-            if t == 5:
-                ref.model.branch.weight.requires_grad_(True)
-                ref.model.a.bias.requires_grad_(True)
+            C.freeze_schedule(ref.model, t)
         ref.opt.zero_grad()
         for i, p in enumerate(params):
             got = [log[t]["grads"][i] for log in logs]

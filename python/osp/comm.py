@@ -11,7 +11,7 @@ from __future__ import annotations
 import abc
 import os
 import time
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -34,6 +34,7 @@ class Comm(abc.ABC):
     name = "base"
 
     def __init__(self):
+        self._inflight: Dict[int, Handle] = {}  # started, not yet waited for: completed at exit (teardown)
         teardown.register()
 
     @property
@@ -61,7 +62,9 @@ class Comm(abc.ABC):
             h.done = True
             return h
         h.work = self._start(tensor, name, average)
-        teardown.started(self, h)  # completed at exit if nobody waits for it
+        if not self._inflight:
+            teardown.busy(self)  # completed at exit if nobody waits for it
+        self._inflight[id(h)] = h
         return h
 
     @abc.abstractmethod
@@ -79,8 +82,19 @@ class Comm(abc.ABC):
             self._complete(handle)
             handle.done = True
             handle.work = None  # the engine's work object may hold the process group and its threads
-            teardown.finished(handle)
+            self._inflight.pop(id(handle), None)
+            if not self._inflight:
+                teardown.idle(self)
         return handle.tensor
+
+    def pending(self) -> list:
+        """The collectives started here that nobody has waited for yet."""
+        return list(self._inflight.values())
+
+    def forget_pending(self) -> None:
+        """The engine was restarted (Horovod Elastic's reset): the collectives in flight are gone with it."""
+        self._inflight.clear()
+        teardown.idle(self)
 
     @abc.abstractmethod
     def poll(self, handle: Handle) -> bool:

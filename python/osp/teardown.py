@@ -37,12 +37,11 @@ import threading
 import time
 import types
 import warnings
-from typing import TYPE_CHECKING, Dict
+from typing import Dict
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .comm import Comm, Handle
-
-_inflight: Dict[int, "tuple[Comm, Handle]"] = {}
+# the communicators with collectives in flight (held until those complete): each ``osp.comm.Comm`` tells
+# ``busy`` / ``idle`` and offers ``pending()``, ``wait()``, ``active()`` and ``forget_pending()``
+_busy: Dict[int, object] = {}
 _registered = False
 _disabled = False
 
@@ -75,20 +74,27 @@ def disable() -> None:
     _disabled = True
 
 
-def started(comm: "Comm", handle: "Handle") -> None:
-    _inflight[id(handle)] = (comm, handle)
+def busy(comm) -> None:
+    """``comm`` started a collective nobody has waited for yet."""
+    _busy[id(comm)] = comm
 
 
-def finished(handle: "Handle") -> None:
-    _inflight.pop(id(handle), None)
+def idle(comm) -> None:
+    """Every collective ``comm`` started has completed."""
+    _busy.pop(id(comm), None)
 
 
-def forget(comm: "Comm") -> None:
+def pending() -> int:
+    """How many collectives osp started are in flight, over every communicator."""
+    return sum(len(c.pending()) for c in list(_busy.values()))
+
+
+def forget(comm) -> None:
     """``comm``'s engine was restarted (Horovod Elastic's reset): its collectives in flight are gone
     with it, and nobody may wait for them at exit."""
-    for key, (c, _) in list(_inflight.items()):
+    for c in list(_busy.values()):
         if type(c) is type(comm):  # every Comm of a kind runs on the one engine of the process
-            del _inflight[key]
+            c.forget_pending()
 
 
 def _exiting_on_exception() -> bool:
@@ -100,17 +106,18 @@ def _at_exit() -> None:
     if _disabled or _exiting_on_exception():
         return
     deadline = time.monotonic() + _env_timeout()
-    for comm, handle in list(_inflight.values()):
+    for comm in list(_busy.values()):
         if not comm.active():  # its engine was shut down, which completed or dropped its work
             continue
-        try:
-            comm.wait(handle, max(deadline - time.monotonic(), 1e-3), "osp collective at exit")
-        except Exception as e:  # a peer failed or stalled: leave the engine alone, exit promptly
-            warnings.warn(f"osp: at exit, an in-flight collective did not complete ({e}); the process "
-                          "group is left as it is", RuntimeWarning, stacklevel=1)
-            _inflight.clear()
-            return
-    _inflight.clear()
+        for handle in comm.pending():
+            try:
+                comm.wait(handle, max(deadline - time.monotonic(), 1e-3), "osp collective at exit")
+            except Exception as e:  # a peer failed or stalled: leave the engine alone, exit promptly
+                warnings.warn(f"osp: at exit, an in-flight collective did not complete ({e}); the process "
+                              "group is left as it is", RuntimeWarning, stacklevel=1)
+                _busy.clear()
+                return
+    _busy.clear()
     _destroy_process_groups(deadline)
 
 

@@ -22,7 +22,7 @@ def names():
 def probe():
     import osp.teardown
     print("PROBE " + json.dumps({"initialized": dist.is_initialized(), "names": names(),
-                                 "inflight": len(osp.teardown._inflight)}), flush=True)
+                                 "inflight": osp.teardown.pending()}), flush=True)
 
 
 atexit.register(probe)

@@ -5,9 +5,10 @@
                                    named_parameters=model.named_parameters(), sync=osp.OSP())
 """
 from . import ops
+from .broadcast import broadcast_optimizer_state, broadcast_parameters, sync_buffers
 from .launcher import init_from_env
 from .modes import BSP, HSP, OSP, DSync
-from .optimizer import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters, sync_buffers
+from .optimizer import DistributedOptimizer
 
 __version__ = "0.1.0"
 

@@ -17,6 +17,7 @@ The mode knows only the ``Context`` it is handed, never the optimizer object.
 from __future__ import annotations
 
 import abc
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Tuple
 
@@ -45,10 +46,8 @@ class StepInput:
     #: a GradScaler's ``(grad_scale, found_inf)`` for a wrapped optimizer that unscales itself (``fused``),
     #: where ``.grad`` is the average (BSP)
     amp: Optional[tuple] = None
-    #: ``step(closure)`` (modes with ``accepts_closure``): run one more micro-batch, accumulating into
-    #: ``.grad``; returns its backward passes (>= 1) or raises
-    extra: Optional[Callable[[], int]] = None
-
+    #: ``step(closure)`` (modes with ``accepts_closure``): the user's extra micro-batch
+    closure: Optional[Callable[[], object]] = None
 
 @dataclass
 class Context:
@@ -61,6 +60,9 @@ class Context:
     prefix: str = "osp"  # names of this optimizer's collectives (unique per optimizer in a process)
     #: (flat group, parameter) of every parameter in the model's order (``named_parameters``)
     order: List[Tuple[int, int]] = field(default_factory=list)
+    #: a context manager an extra micro-batch runs in (``Accumulation.extra``): its backward passes add
+    #: to the step beyond ``backward_passes_per_step``; it yields a callable counting them
+    extra_passes: Optional[Callable] = None
 
     def any_edited(self, edited: Optional[torch.Tensor], what: str) -> bool:
         """Whether ``edited`` (this rank's EditProbe flag, or None: nothing to check) is set on some
@@ -167,12 +169,8 @@ class Mode(abc.ABC):
     #: gradient clipping and GradScaler work on it as usual; otherwise it holds this rank's own gradient
     #: and the mode unscales and clips inside ``step()``
     grad_is_average = False
-    #: ``step(closure)`` hands the mode ``StepInput.extra`` (HSP); other modes refuse a closure
+    #: ``step(closure)`` hands the mode ``StepInput.closure`` (HSP); other modes refuse a closure
     accepts_closure = False
-    #: a change of ``.grad`` between backward and ``step()`` (``StepInput.edited``) reaches the average
-    #: (the optimizer warns that it acts on each rank's own gradient); otherwise the mode refuses it
-    honors_grad_edits = True
-
     def on_ready(self, p: torch.Tensor) -> None:
         """``p``'s gradient had its last backward pass of the step."""
         return None
@@ -203,23 +201,34 @@ class Mode(abc.ABC):
         """Whether collectives or corrections are pending (then gradients and state are not final)."""
         return False
 
-    def synchronize(self) -> None:
-        raise RuntimeError(f"osp: synchronize() is for BSP; with {type(self.options).__name__} the gradient "
-                           "a step applies is only known inside step()")
-
     def state_dict(self) -> dict:
         return {}
 
     def load_state_dict(self, state: dict) -> None:
-        return None
-
-    def after_load(self) -> None:
-        """The wrapped optimizer's state was replaced (loaded or broadcast)."""
+        """The wrapped optimizer's state was replaced (loaded or broadcast; take it over), and ``state``
+        is the mode's own part of the checkpoint (``{}`` with a plain optimizer state dict)."""
         return None
 
     def stats(self) -> dict:
         """Mode-specific figures for ``DistributedOptimizer.stats()``."""
         return {}
+
+
+def warn_grad_edits(mode: Mode, edited: List[str]) -> None:
+    """Where ``.grad`` is this rank's own gradient at ``step()`` and the mode takes it from there (OSP,
+    HSP), a change between backward and ``step()`` (``StepInput.edited``) acts on each rank's gradient
+    alone: said once per mode."""
+    if not edited or getattr(mode, "_warned_edits", False):
+        return
+    mode._warned_edits = True
+    warnings.warn(
+        f"osp: the gradients of {len(edited)} parameter(s) (e.g. {edited[0]!r}) were changed in "
+        f"place between backward() and step(), e.g. by torch.nn.utils.clip_grad_norm_. Under "
+        f"{mode.options.name.upper()} .grad holds each rank's own gradient at that point, not the "
+        "average, so such a change acts on every rank's gradient separately (e.g. clips each by its "
+        "own norm). To clip by the norm of the averaged gradient, as under DDP, call "
+        "opt.clip_grad_norm_(max_norm) instead. This warning is shown once.",
+        RuntimeWarning, stacklevel=5)
 
 
 def edited_error(mode: str) -> RuntimeError:

@@ -87,9 +87,6 @@ _GRADS, _PARAMS = -2, -1  # the presence buffer's flags
 
 class DSyncMode(Mode):
     options: DSync
-    # the averages start from the backward hooks, before step(): a later change of .grad cannot reach
-    # them, and ranks learn of it only when the step's average lands
-    honors_grad_edits = False
 
     def __init__(self, options: DSync, ctx: Context):
         super().__init__(options, ctx)
@@ -295,11 +292,10 @@ class DSyncMode(Mode):
         return {"late_overflows": self._late_overflows}  # a checkpoint after flush() keeps them
 
     def load_state_dict(self, state):
-        self._late_overflows = int(state.get("late_overflows", 0))
-
-    def after_load(self):
-        self.corrector.adopt(self.ctx.groups)
+        self.corrector.adopt(self.ctx.groups)  # the optimizer's state, in flat buffers
         self._snap = None
+        if "late_overflows" in state:
+            self._late_overflows = int(state["late_overflows"])
 
     def stats(self):
         kept = sum(ws.nbytes() for ws in self._ws.values()) + self.corrector.nbytes()

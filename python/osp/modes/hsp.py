@@ -19,7 +19,7 @@ import torch
 
 from .. import sidechannel
 from ..correction import unhooked_step
-from .base import Context, Mode, Options, StepInput, check_int
+from .base import Context, Mode, Options, StepInput, check_int, warn_grad_edits
 
 
 class HSP(Options):
@@ -65,13 +65,15 @@ class HSPMode(Mode):
         t0 = time.perf_counter()
         ready = comm.allreduce_sum_async_(self._ready.fill_(1.0), f"{ctx.prefix}.hsp.ready")
         arrival = t0 - self._t_synced if self._t_synced is not None else 0.0
-        passes, extras, extra_s, failure = inp.passes, 0, 0.0, None
-        if inp.extra is not None and size > 1:  # alone, nobody is waited for
+        warn_grad_edits(self, inp.edited)
+        passes, extras, extra_s, failure, loss = inp.passes, 0, 0.0, None, None
+        if inp.closure is not None and size > 1:  # alone, nobody is waited for
             mb = self._extra_s if self._extra_s is not None else inp.compute_s
             while extras < self.options.max_extra and not self._worth_waiting(ready, t0, mb):
                 t = time.perf_counter()
                 try:
-                    passes += inp.extra()
+                    n, loss = self._run_extra(inp.closure)
+                    passes += n
                 except Exception as e:  # every rank must hear of it, or the others would wait forever
                     failure = e
                     break
@@ -114,7 +116,7 @@ class HSPMode(Mode):
         self._totals["extras"] += extras
         self._totals["wait_s"] += wait_s
         rec = {"critical_fraction": 1.0, "bytes_stage1": ctx.nbytes, "bytes_stage2": 0, "stage1_s": t2 - t1,
-               "stage2_wait_s": 0.0, "micro_batches": counts, "extras": extras, "wait_s": wait_s}
+               "stage2_wait_s": 0.0, "micro_batches": counts, "extras": extras, "wait_s": wait_s, "loss": loss}
         # the sum over ranks is identical everywhere, so every rank scales, checks and steps alike
         # the mean per pass at BSP's scale, unscaled for a GradScaler: one pass over the gradients
         ctx.scale_grads(inp.passes / sum(counts) * (inp.unscale if inp.unscale is not None else 1.0))
@@ -129,6 +131,17 @@ class HSPMode(Mode):
         unhooked_step(ctx.optimizer)
         rec["overflow"] = False
         return rec
+
+    def _run_extra(self, closure):
+        """One call of the user's ``closure`` (an extra micro-batch): its backward passes and its loss."""
+        with self.ctx.extra_passes() as passes, torch.enable_grad():
+            loss = closure()
+        if passes() == 0:
+            raise RuntimeError(
+                f"osp: the closure passed to step() returned without a backward pass reaching this optimizer's "
+                f"parameters (e.g. {self.ctx.groups[0].names[0]!r}); under HSP it must compute one more "
+                "micro-batch: forward, loss.backward() (no zero_grad), and return the loss")
+        return passes(), loss
 
     def _worth_waiting(self, ready, t0: float, mb: float) -> bool:
         """Whether to wait for "ready" (True once it completed) rather than start an extra micro-batch,

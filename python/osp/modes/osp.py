@@ -14,7 +14,7 @@ from ..comm import Handle
 from ..correction import Snapshot, corrector_for, hyper, unhooked_step
 from ..layout import EditProbe, FlatGroup, Workspace
 from ..policy import Budget, select_critical
-from .base import Context, Mode, Options, StepInput, check_share, edited_error
+from .base import Context, Mode, Options, StepInput, check_share, edited_error, warn_grad_edits
 from .bsp import BSP, BSPMode
 
 _MAX_BLOCK = 1 << 30
@@ -172,9 +172,7 @@ class OSPMode(Mode):
         elif self._bsp is None:
             self._bsp = BSPMode(BSP(self.options.bucket_mb), self.ctx)
 
-    def synchronize(self) -> None:
-        if self._bsp is None:
-            return super().synchronize()
+    def synchronize(self) -> None:  # while BSP has the steps (grad_is_average)
         self._bsp.synchronize()
 
     def _new_budget(self) -> Budget:
@@ -327,6 +325,7 @@ class OSPMode(Mode):
     def step(self, inp: StepInput):
         if self._bsp is not None:
             return self._bsp_step(inp)
+        warn_grad_edits(self, inp.edited)
         ctx = self.ctx
         plan = self._plan_now()
         crits = [self._crit(gi) for gi in range(len(ctx.groups))]
@@ -548,6 +547,7 @@ class OSPMode(Mode):
                 "scores": None if self.scores is None else self.scores.detach().cpu().clone()}
 
     def load_state_dict(self, state):
+        self.corrector.adopt(self.ctx.groups)  # the optimizer's state, in flat buffers
         if "budget" not in state:
             return
         if state.get("size", self._size) == self._size:
@@ -561,6 +561,3 @@ class OSPMode(Mode):
         self.scores = None if scores is None else scores.to(self.ctx.device)
         self._plan = None
         self._follow_budget()
-
-    def after_load(self):
-        self.corrector.adopt(self.ctx.groups)

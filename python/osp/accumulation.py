@@ -1,0 +1,193 @@
+"""The backward passes of the coming step: which reached which parameter, and when the step's last ended.
+
+``Accumulation`` is called by the post-accumulate-grad hook of every wrapped parameter. It counts the
+passes per parameter (``backward_passes_per_step`` of them make a step), tells the mode when a
+parameter's gradient is ready (``on_ready``: its last pass) and when the step's last pass ended
+(``end_backward``), and starts the step again (``restart``) when gradients were zeroed or replaced
+since a pass (a GAN's ``D.zero_grad()`` after G's backward ran through D). It also records each
+gradient's version when the passes ended, to tell a gradient changed in place before ``step()``
+(clipping) from a zeroed one and from a backward that came too late. HSP's extra micro-batches
+(``extra()``) add passes beyond ``backward_passes_per_step`` without telling the mode.
+"""
+from __future__ import annotations
+
+import weakref
+from contextlib import contextmanager
+from typing import Dict, List, Optional
+
+import torch
+
+from .layout import FlatGroup
+
+
+class Accumulation:
+    def __init__(self, groups: List[FlatGroup], passes_per_step: int, mode):
+        self.groups, self.passes_per_step, self.mode = groups, passes_per_step, mode
+        self.fresh = False  # a backward reached the parameters since the last step
+        self.max_norm: Optional[float] = None  # opt.clip_grad_norm_ asked for the coming step
+        self._where = {p: (fg, i) for fg in groups for i, p in enumerate(fg.params)}
+        # per parameter: how many passes reached it, and the version of its gradient after the last one
+        self._passes: Dict[torch.nn.Parameter, int] = {}
+        self._seen: Dict[torch.nn.Parameter, int] = {}
+        self._backwards = 0  # passes of the coming step that reached these parameters
+        self._averaged = False  # the step's last pass ended and .grad holds the average (BSP)
+        self._task: Optional[int] = None  # the autograd graph task last seen
+        self._versions: Optional[List[tuple]] = None  # (is its alias, version) of each gradient then
+        self._in_extra = False  # an extra micro-batch (HSP's step(closure)) is running
+        self._extra_passes = 0  # passes that ended inside extra micro-batches
+        # the hooks hold this object weakly: a dropped optimizer must not keep reacting to backward
+        # (e.g. starting collectives) when the model is wrapped again
+        ref = weakref.WeakMethod(self.on_grad)
+
+        def hook(p, ref=ref):
+            fn = ref()
+            if fn is not None:
+                fn(p)
+
+        self._hooks = [p.register_post_accumulate_grad_hook(hook) for fg in groups for p in fg.params]
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+
+    def on_grad(self, p: torch.Tensor) -> None:
+        """A backward pass accumulated ``p``'s gradient."""
+        task = torch._C._current_graph_task_id()
+        if task != self._task:  # this backward's first gradient here: finish the pass when it ends
+            self._task = task
+            ref = weakref.ref(self)
+            torch.autograd.Variable._execution_engine.queue_callback(
+                lambda: ref() is not None and ref()._end_pass())
+        self.fresh = True
+        fg, i = self._where[p]
+        alias, n = fg.grad_views[i], self._passes.get(p, 0)
+        changed = n and (p.grad is not alias or alias._version != self._seen[p] + 1)
+        if changed and self._in_extra:
+            self._task = None
+            raise RuntimeError(
+                f"osp: the gradient of {fg.names[i]!r} was zeroed or replaced inside the closure passed to step(); "
+                "an extra micro-batch must accumulate into .grad (no zero_grad() in the closure: the step's first "
+                "micro-batch is already there)")
+        if changed or (self._averaged and self._zeroed_since_averaging(p)):
+            # zeroed, set to None or replaced since its last backward (e.g. a GAN's D.zero_grad() after
+            # G's backward ran through D, or after D's average): the step's accumulation starts again
+            self.restart()
+            n = 0
+        if p.grad is not alias and p.grad.layout == torch.strided:  # sparse ones raise in step()
+            fg.gather_grads([p])
+        fg.absent.discard(i)  # it has a gradient now (a bucket started before may have found none)
+        n += 1
+        if n > self.passes_per_step and not self._in_extra:
+            self._task = None
+            raise RuntimeError(
+                f"osp: parameter {fg.names[i]!r} got a gradient from {n} backward passes since the last step(), "
+                f"more than backward_passes_per_step={self.passes_per_step}. Call step() after each "
+                "backward, zero the gradients before the next one, or raise backward_passes_per_step to "
+                "accumulate gradients locally")
+        if self._averaged:
+            self._task = None
+            raise RuntimeError(
+                f"osp: parameter {fg.names[i]!r} got a gradient from a backward pass after this step's gradients "
+                f"were averaged (its backward_passes_per_step={self.passes_per_step} pass(es) had "
+                "ended). Sum the losses and call backward() once, raise backward_passes_per_step, or call "
+                "step() first. (A backward re-entered inside another, as torch.utils.checkpoint(..., "
+                "use_reentrant=True) does, ends a pass early: use use_reentrant=False.)")
+        self._passes[p] = n
+        self._seen[p] = alias._version
+        if n == self.passes_per_step and not self._in_extra:
+            self.mode.on_ready(p)
+
+    def _end_pass(self) -> None:
+        self._task = None
+        if self._in_extra:
+            self._extra_passes += 1
+            return
+        self._backwards += 1
+        if self._backwards >= self.passes_per_step:
+            self.mode.end_backward()
+            self._averaged = self.mode.grad_is_average
+            self._versions = [(p.grad is a, a._version) for fg in self.groups
+                              for p, a in zip(fg.params, fg.grad_views)]
+
+    def _zeroed_since_averaging(self, current: torch.Tensor) -> bool:
+        """Whether a gradient averaged at the end of the step's last pass was since zeroed, set to None
+        or replaced (``current`` just had a backward accumulate into it)."""
+        k = 0
+        for fg in self.groups:
+            for p, alias in zip(fg.params, fg.grad_views):
+                held, v = self._versions[k]
+                k += 1
+                if not held:
+                    continue
+                grown = 1 if p is current else 0
+                if p.grad is not alias or alias._version != v + grown:
+                    return True
+        return False
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        if self._in_extra:
+            raise RuntimeError("osp: zero_grad() inside the closure passed to step(): an extra micro-batch "
+                               "must accumulate into .grad (the step's first micro-batch is already there)")
+        self.restart()
+        self.fresh = False
+        for fg in self.groups:
+            fg.zero_grad(set_to_none)
+
+    def restart(self) -> None:
+        """The gradients were zeroed or replaced: the mode drops what this step's passes started."""
+        self.mode.restart()
+        self.new_step()
+
+    def new_step(self) -> None:
+        """Forget the passes, presence and clip request of the step being accumulated."""
+        self._passes.clear()
+        self._backwards = 0
+        self._versions = None
+        self._averaged = False
+        self.max_norm = None
+        for fg in self.groups:
+            fg.absent.clear()
+
+    def reset(self, mode) -> None:
+        """A new mode (``reset_world``): nothing of the step being accumulated is kept."""
+        self.mode = mode
+        self.fresh = False
+        self._task = None
+        self._in_extra = False
+        self.new_step()
+
+    def edited(self, allowed: int) -> List[str]:
+        """Parameters whose gradient was changed in place after the step's backward ended, beyond
+        ``allowed`` changes each (a GradScaler's unscale or overflow check), or replaced by another
+        tensor."""
+        if self._versions is None:
+            return []
+        out, k = [], 0
+        for fg in self.groups:
+            for name, p, a in zip(fg.names, fg.params, fg.grad_views):
+                held, old = self._versions[k]
+                k += 1
+                if a._version - old > allowed or (held and p.grad is not a):
+                    out.append(name)
+        return out
+
+    def check_fresh(self) -> None:
+        if not self.fresh:
+            raise RuntimeError(
+                f"osp: step() called without a backward pass reaching this optimizer's parameters (e.g. "
+                f"{self.groups[0].names[0]!r}) since the last step() or zero_grad(); every step needs new "
+                "gradients (call loss.backward() first). "
+                "If backward did run, the model no longer uses the parameters this optimizer was built with "
+                "(e.g. model.load_state_dict(..., assign=True) or a layer replaced after wrapping): build "
+                "and wrap the optimizer after such changes")
+
+    @contextmanager
+    def extra(self):
+        """An extra micro-batch (HSP's ``step(closure)``) runs inside: its passes accumulate into
+        ``.grad`` beyond ``backward_passes_per_step``; yields a callable returning how many ended."""
+        before = self._extra_passes
+        self._in_extra = True
+        try:
+            yield lambda: self._extra_passes - before
+        finally:
+            self._in_extra = False

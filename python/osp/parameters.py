@@ -1,0 +1,126 @@
+"""What an optimizer wraps: its parameters by name, the same on every rank, in flat groups.
+
+``DistributedOptimizer`` calls these at construction (and ``check_same_everywhere`` again from
+``check_world()``, e.g. for a rank that joined under Horovod Elastic), and ``check_model`` before every
+step: a parameter that left osp's flat buffers, or started training after being wrapped frozen, would
+train on each rank alone and the replicas would diverge.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Tuple
+
+import torch
+
+from . import ops
+from .comm import Comm
+from .layout import FlatGroup
+
+
+def names(optimizer: torch.optim.Optimizer, named_parameters) -> Dict[torch.nn.Parameter, str]:
+    """Every parameter of ``optimizer`` with its name, in the model's order (``named_parameters``;
+    clipping sums the parameters' norms in the order torch's would take them), or in the param groups'
+    order as ``group{g}.param{i}`` without names."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if len({id(p) for p in params}) != len(params):
+        raise ValueError("osp: a parameter appears more than once in the optimizer's param_groups")
+    if named_parameters is None:
+        return {p: f"group{gi}.param{i}" for gi, g in enumerate(optimizer.param_groups)
+                for i, p in enumerate(g["params"])}
+    named = list(named_parameters)
+    if any(not isinstance(t, tuple) or len(t) != 2 for t in named):
+        raise ValueError("osp: named_parameters must be (name, parameter) pairs, e.g. "
+                         "model.named_parameters()")
+    seen: Dict[str, int] = {}
+    for n, _ in named:
+        seen[n] = seen.get(n, 0) + 1
+    dups = sorted(n for n, c in seen.items() if c > 1)
+    if dups:
+        raise ValueError(f"osp: parameter names must be unique, got duplicates {dups}")
+    by_id = {id(p): n for n, p in named}
+    missing = [i for i, p in enumerate(params) if id(p) not in by_id]
+    if missing:
+        raise ValueError(f"osp: {len(missing)} parameter(s) of the optimizer are not in "
+                         "named_parameters; pass model.named_parameters() of the same model")
+    position = {id(p): k for k, (_, p) in enumerate(named)}
+    return {p: by_id[id(p)] for p in sorted(params, key=lambda p: position[id(p)])}
+
+
+def check_same_everywhere(comm: Comm, optimizer: torch.optim.Optimizer, names: Dict, options: str,
+                          passes: int, uid: int) -> None:
+    """Every rank must wrap the same parameters with the same options (``options``: the mode's repr;
+    ``passes``: backward_passes_per_step; ``uid``: which osp optimizer of the process this is): compare
+    signatures with one allgather, and raise the same error on every rank (never hang, never diverge)."""
+    sig = {"sync": options, "bpps": passes, "uid": uid,
+           "params": [(gi, names[p], tuple(p.shape), str(p.dtype), p.requires_grad)
+                      for gi, g in enumerate(optimizer.param_groups) for p in g["params"]]}
+    sigs = comm.allgather_object(sig)
+    for r, other in enumerate(sigs):
+        if other == sigs[0]:
+            continue
+        if other["sync"] != sigs[0]["sync"] or other["bpps"] != sigs[0]["bpps"]:
+            raise ValueError(f"osp: ranks disagree on the options: rank 0 has {sigs[0]['sync']}, "
+                             f"rank {r} has {other['sync']}")
+        if other["uid"] != sigs[0]["uid"]:
+            raise ValueError(
+                f"osp: ranks built different numbers of osp optimizers before this one (rank 0 is at its "
+                f"optimizer {sigs[0]['uid']}, rank {r} at {other['uid']}); every rank must build the same "
+                "optimizers in the same order, as their collectives are matched by name")
+        a, b = sigs[0]["params"], other["params"]
+        for x, y in zip(a, b):
+            if x != y:
+                raise ValueError(f"osp: ranks disagree on the parameters: rank 0 has {x[1]!r} "
+                                 f"shape {list(x[2])} {x[3]}, rank {r} has {y[1]!r} shape "
+                                 f"{list(y[2])} {y[3]} (group {x[0]})")
+        raise ValueError(f"osp: ranks disagree on the parameters: rank 0 has {len(a)} "
+                         f"parameters, rank {r} has {len(b)}")
+
+
+def flat_groups(optimizer: torch.optim.Optimizer, names: Dict, block_size, comm: Comm
+                ) -> Tuple[List[FlatGroup], List[tuple]]:
+    """One flat group per param group and dtype of the trainable parameters (they become views into
+    it), and the ``(name, parameter)`` pairs frozen when wrapped, which osp does not synchronize."""
+    devices = {p.device for g in optimizer.param_groups for p in g["params"]}
+    if len(devices) > 1:
+        raise ValueError(f"osp: all parameters must be on one device, got {sorted(map(str, devices))}")
+    groups: List[FlatGroup] = []
+    outside = []
+    for gi, g in enumerate(optimizer.param_groups):
+        by_dtype: Dict[torch.dtype, list] = {}
+        for p in g["params"]:
+            if not p.requires_grad:
+                outside.append((names[p], p))
+                continue
+            if p.dtype not in ops.DTYPES:
+                raise ValueError(f"osp: parameter {names[p]!r} is {p.dtype}; osp handles "
+                                 "float32, float16 and bfloat16 parameters")
+            comm.check_dtype(p.dtype, f"parameter {names[p]!r}")
+            by_dtype.setdefault(p.dtype, []).append(p)
+        for ps in by_dtype.values():
+            groups.append(FlatGroup(ps, [names[p] for p in ps], gi, block_size))
+    if not groups:
+        raise ValueError("osp: the optimizer has no trainable parameter (every parameter has "
+                         "requires_grad=False); there is nothing to synchronize")
+    return groups, outside
+
+
+def group_shape(optimizer: torch.optim.Optimizer) -> tuple:
+    return tuple(len(g["params"]) for g in optimizer.param_groups)
+
+
+def check_model(optimizer: torch.optim.Optimizer, shape: tuple, groups: List[FlatGroup], outside) -> None:
+    """The parameters must still be the ones wrapped (views of osp's flat buffers, in param groups of
+    ``shape``), and a parameter frozen when wrapped must not have started training."""
+    if group_shape(optimizer) != shape:
+        raise RuntimeError(
+            f"osp: the wrapped optimizer's param groups changed after wrapping (parameters per group "
+            f"{list(shape)} then, {list(group_shape(optimizer))} now, e.g. by "
+            "add_param_group()); build the optimizer with all its parameters before wrapping it")
+    for fg in groups:
+        fg.check_params()
+    for name, p in outside:
+        if p.grad is not None:
+            raise RuntimeError(
+                f"osp: parameter {name!r} has a gradient, but it had requires_grad=False when the optimizer "
+                "was wrapped, so osp does not synchronize it (each rank would update it with its own "
+                "gradient). Wrap the optimizer with every parameter that will ever train trainable (freeze "
+                "it afterwards: a parameter whose gradient is None on every rank is left alone)")

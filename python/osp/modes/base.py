@@ -23,7 +23,8 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from .. import ops, sidechannel
+from .. import ops
+from ..agreement import read
 from ..comm import Comm
 from ..layout import FlatGroup
 
@@ -64,42 +65,9 @@ class Context:
     #: to the step beyond ``backward_passes_per_step``; it yields a callable counting them
     extra_passes: Optional[Callable] = None
 
-    def any_edited(self, edited: Optional[torch.Tensor], what: str) -> bool:
-        """Whether ``edited`` (this rank's EditProbe flag, or None: nothing to check) is set on some
-        rank: one tiny collective, so every rank raises alike."""
-        if edited is None:
-            return False
-        flag = edited.to(torch.float32).reshape(1)
-        self.comm.wait(self.comm.allreduce_sum_async_(flag, f"{self.prefix}.{what}.edited"), self.timeout,
-                       "edit check")
-        return bool(sidechannel.read(flag)[0])
-
     @property
     def nparams(self) -> int:
         return sum(len(fg.params) for fg in self.groups)
-
-    def presence(self, out: torch.Tensor) -> torch.Tensor:
-        """Fill ``out`` (fp32, ``nparams``) with 1 where this rank has a gradient for the parameter."""
-        absent = [i + lo for fg, lo in zip(self.groups, self._starts()) for i in fg.absent]
-        out.fill_(1.0)
-        if absent:
-            out[torch.tensor(absent, dtype=torch.long)] = 0.0
-        return out
-
-    def absent_everywhere(self, total) -> List[set]:
-        """Per flat group, the parameters without a gradient on every rank, from ``presence`` summed
-        over ranks (host values). Meta tensors carry no values: every parameter counts as present."""
-        if self.device.type == "meta":
-            return [set() for _ in self.groups]
-        return [{i for i in range(len(fg.params)) if total[lo + i] == 0}
-                for fg, lo in zip(self.groups, self._starts())]
-
-    def _starts(self) -> List[int]:
-        out, lo = [], 0
-        for fg in self.groups:
-            out.append(lo)
-            lo += len(fg.params)
-        return out
 
     def scale_grads(self, factor, grads: Optional[List[torch.Tensor]] = None) -> None:
         """Multiply the flat gradients (or ``grads``) by ``factor`` (a number or a device scalar)."""
@@ -144,7 +112,7 @@ class Context:
 
     def any_nonfinite(self, grads: Optional[List[torch.Tensor]] = None) -> bool:
         """Whether they do, read on the host (one sync)."""
-        return bool(sidechannel.read(self.nonfinite(grads).reshape(1))[0])
+        return bool(read(self.nonfinite(grads).reshape(1))[0])
 
 
 class Options(abc.ABC):

@@ -3,9 +3,7 @@ from __future__ import annotations
 
 import time
 
-import torch
-
-from .. import sidechannel
+from ..agreement import Agreement
 from ..buckets import Buckets
 from ..correction import unhooked_step
 from .base import Context, Mode, Options, StepInput
@@ -38,7 +36,7 @@ class BSPMode(Mode):
     def __init__(self, options: BSP, ctx: Context):
         super().__init__(options, ctx)
         self.buckets = Buckets(ctx.groups, options.bucket_mb, ctx.comm, f"{ctx.prefix}.bsp")
-        self._present = torch.zeros(ctx.nparams, dtype=torch.float32, device=ctx.device)
+        self._present = Agreement(ctx, "bsp.present")
         self._synced = None  # seconds the averaging took, once it finished for the coming step
 
     def on_ready(self, p):
@@ -65,10 +63,9 @@ class BSPMode(Mode):
         t0 = time.perf_counter()
         ctx = self.ctx
         handles = list(self.buckets.launch(force=True))
-        handles.append(ctx.comm.allreduce_sum_async_(ctx.presence(self._present), f"{ctx.prefix}.bsp.present"))
+        handles.append(self._present.post())
         self.buckets.wait(handles, ctx.timeout, "gradient allreduce")
-        absent = ctx.absent_everywhere(sidechannel.read(self._present))
-        for fg, a in zip(ctx.groups, absent):
+        for fg, a in zip(ctx.groups, self._present.result("gradient allreduce").absent()):
             fg.set_grads(a)
         self._synced = time.perf_counter() - t0
 

@@ -16,7 +16,7 @@ from typing import Deque, Dict, List, Optional
 
 import torch
 
-from .. import sidechannel
+from ..agreement import Agreement, any_rank
 from ..buckets import Buckets
 from ..comm import Handle
 from ..correction import Snapshot, corrector_for, hyper, unhooked_step
@@ -82,9 +82,6 @@ class _Step:
     arrived: Optional[int] = None  # steps after its own that its average was seen complete
 
 
-_GRADS, _PARAMS = -2, -1  # the presence buffer's flags
-
-
 class DSyncMode(Mode):
     options: DSync
 
@@ -96,11 +93,11 @@ class DSyncMode(Mode):
         self.kept = longest if longest > 1 else 0  # local gradients kept for replays
         self.corrector = corrector_for(ctx.optimizer)
         self.buckets = Buckets(ctx.groups, options.bucket_mb, ctx.comm, f"{ctx.prefix}.ds")
-        # per slot: which parameters have a gradient on some rank, then whether some rank's gradients
-        # were changed after backward (``_GRADS``) and whether its parameters were changed while a
-        # correction was pending (``_PARAMS``); summed with the slot's average
-        self._presence = [torch.zeros(ctx.nparams + 2, dtype=torch.float32, device=ctx.device)
-                          for _ in range(self.slots)]
+        # per slot: whether some rank's gradients were changed after backward, whether its parameters
+        # were changed while a correction was pending, and which parameters have a gradient on some rank;
+        # summed with the slot's average
+        self._agree = [Agreement(ctx, f"ds.{slot}.present", fields=("grads_edited", "params_edited"))
+                       for slot in range(self.slots)]
         self._probe = EditProbe(ctx.groups, chunk=4096)
         self._ws: Dict[int, Workspace] = {id(fg): Workspace(fg) for fg in ctx.groups}
         self._inflight: Deque[_Step] = collections.deque()
@@ -145,10 +142,7 @@ class DSyncMode(Mode):
         scaled = len(self.buckets.launched) if inp.grads_changed else len(self.buckets.buckets)
         handles = list(self.buckets.launch(force=True))
         slot = self.t % self.slots
-        ctx.presence(self._presence[slot][:_GRADS])
-        self._presence[slot][_GRADS].fill_(1.0 if inp.edited else 0.0)
-        self._presence[slot][_PARAMS:].copy_(self._probe.edited().reshape(1))
-        handles.append(ctx.comm.allreduce_sum_async_(self._presence[slot], f"{ctx.prefix}.ds.{slot}.present"))
+        handles.append(self._agree[slot].post(grads_edited=bool(inp.edited), params_edited=self._probe.edited()))
         # the provisional update uses this rank's own gradient, unscaled and clipped by its own norm
         ctx.scale_grads(inp.unscale)
         if inp.max_norm is not None:
@@ -221,15 +215,15 @@ class DSyncMode(Mode):
         for s in due:
             self._inflight.popleft()
             avgs = [self._buf(fg, "avg", s.slot) for fg in ctx.groups]
-            total = sidechannel.read(self._presence[s.slot])
-            if total[_GRADS] > 0:
+            total = self._agree[s.slot].result("delayed gradient allreduce")
+            if total.any("grads_edited"):
                 raise RuntimeError(
                     f"osp: under DSync the gradients were changed in place or replaced between backward() and "
                     f"step() on some rank (step {s.index}), e.g. by torch.nn.utils.clip_grad_norm_ or p.grad.mul_(); "
                     "DSync starts averaging them during backward, so the change cannot reach the average and the "
                     "exact update would silently differ. Clip with opt.clip_grad_norm_(max_norm) (exact: by the "
                     "norm of the average), scale the loss instead of the gradients, or use osp.OSP() / osp.BSP()")
-            if total[_PARAMS] > 0:
+            if total.any("params_edited"):
                 raise edited_error("DSync")
             if s.unscale is not None:
                 for fg, lo, hi, _ in self.buckets.buckets[:s.scaled]:
@@ -237,7 +231,7 @@ class DSyncMode(Mode):
             if ctx.any_nonfinite(avgs):
                 skipped += 1
                 continue
-            absent = ctx.absent_everywhere(total)
+            absent = total.absent()
             if s.max_norm is not None:
                 ctx.clip_(s.max_norm, avgs, absent)
             for i, (snap, fg) in enumerate(zip(self._snap, ctx.groups)):
@@ -280,7 +274,7 @@ class DSyncMode(Mode):
             skipped = self._apply(due)
             self._late_overflows += skipped  # a GradScaler hears of them at the next steps
             self._snap = None
-            if self.ctx.any_edited(edited, "dsync"):
+            if any_rank(self.ctx, edited, "dsync.edited"):
                 raise edited_error("DSync")
             if self.options.delay == "auto":
                 self.ctx.on_synced()

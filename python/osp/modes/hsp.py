@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from .. import sidechannel
+from ..agreement import Agreement
 from ..correction import unhooked_step
 from .base import Context, Mode, Options, StepInput, check_int, warn_grad_edits
 
@@ -53,8 +53,8 @@ class HSPMode(Mode):
         self.size, self.rank = ctx.comm.size, ctx.comm.rank
         self._ready = torch.zeros(1, dtype=torch.float32, device=ctx.device)
         # per rank: backward passes, failed, arrival (ms from the end of the last step's sum to "ready");
-        # then per parameter: ranks with a gradient for it
-        self._meta = torch.zeros(3 * self.size + ctx.nparams, dtype=torch.float32, device=ctx.device)
+        # and per parameter: ranks with a gradient for it
+        self._meta = Agreement(ctx, "hsp.meta", per_rank=("passes", "failed", "arrival_ms"))
         self._totals = {"extras": 0, "wait_s": 0.0, "passes": [0] * self.size}
         self._t_synced: Optional[float] = None  # when the last step's sum completed here
         self._lag = 0.0  # last step: how long after this rank the last one posted "ready" (s)
@@ -83,22 +83,16 @@ class HSPMode(Mode):
         comm.wait(ready, ctx.timeout, "HSP ready")
         for fg in ctx.groups:
             fg.gather_grads()  # a missing gradient counts as zeros
-        meta = self._meta
-        meta.zero_()
-        meta[self.rank] = float(passes)
-        meta[size + self.rank] = 1.0 if failure is not None else 0.0
-        meta[2 * size + self.rank] = arrival * 1e3
-        ctx.presence(meta[3 * size:])
         handles = [comm.allreduce_sum_async_(fg.grad, f"{ctx.prefix}.hsp.{gi}") for gi, fg in enumerate(ctx.groups)]
-        handles.append(comm.allreduce_sum_async_(meta, f"{ctx.prefix}.hsp.meta"))
+        handles.append(self._meta.post(passes=passes, failed=failure is not None, arrival_ms=arrival * 1e3))
         t1 = time.perf_counter()
         for h in handles:
             comm.wait(h, ctx.timeout, "HSP gradient allreduce")
         t2 = time.perf_counter()
         self._t_synced = t2
-        host = sidechannel.read(meta)
-        counts = [int(round(c)) for c in host[:size]]
-        failed = [r for r in range(size) if host[size + r] > 0]
+        agreed = self._meta.result("HSP gradient allreduce")
+        counts = [int(round(c)) for c in agreed.per_rank("passes")]
+        failed = [r for r, f in enumerate(agreed.per_rank("failed")) if f > 0]
         if failure is not None:
             raise failure
         if failed:
@@ -106,7 +100,7 @@ class HSPMode(Mode):
                 f"osp: HSP step aborted on every rank: the closure passed to step() failed on rank(s) {failed} "
                 "(see the error on that rank); no update was applied")
         wait_s = (t2 - t0) - extra_s  # in step() outside the closures: waiting for the others, and the sum
-        arrivals = host[2 * size:3 * size]
+        arrivals = agreed.per_rank("arrival_ms")
         if all(a > 0 for a in arrivals):  # known from the second step on, on every rank
             self._lag = max(0.0, max(arrivals) * 1e-3 - arrival)
         if extras:
@@ -120,7 +114,7 @@ class HSPMode(Mode):
         # the sum over ranks is identical everywhere, so every rank scales, checks and steps alike
         # the mean per pass at BSP's scale, unscaled for a GradScaler: one pass over the gradients
         ctx.scale_grads(inp.passes / sum(counts) * (inp.unscale if inp.unscale is not None else 1.0))
-        absent = ctx.absent_everywhere(host[3 * size:])
+        absent = agreed.absent()
         for fg, a in zip(ctx.groups, absent):
             fg.set_grads(a)
         if ctx.any_nonfinite():

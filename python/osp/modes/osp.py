@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 import torch
 
-from .. import ops, sidechannel
+from .. import ops
+from ..agreement import Agreement, any_rank
 from ..buckets import Buckets
 from ..comm import Handle
 from ..correction import Snapshot, corrector_for, hyper, unhooked_step
@@ -91,6 +92,16 @@ class _Plan:
 
 
 @dataclass
+class _Stage1:
+    """Stage 1 of the step being taken: its averages in flight and their timing."""
+    stale: bool  # a gradient changed after backward packed it (here)
+    scaled: bool  # buckets packed in backward hold the gradients scaled (GradScaler): unscale them
+    handles: List[Handle] = field(default_factory=list)
+    t0: float = 0.0  # when stage 1 became the step's wait (its launch at step(), less the corrections)
+    t_launch: Optional[float] = None  # when all of stage 1 started at step(): times the network
+
+
+@dataclass
 class _Deferred:
     """Stage 2 of one flat group in flight, and what its exact update needs."""
     snap: Snapshot
@@ -119,9 +130,9 @@ class OSPMode(Mode):
         self.corrector = corrector_for(ctx.optimizer)
         dev = ctx.device
         self.nblocks = ctx.nblocks
-        self._side = torch.zeros(len(sidechannel.FIELDS) + ctx.nparams, dtype=torch.float32, device=dev)
-        self._side_own = torch.zeros_like(self._side)
-        self._checksum = sidechannel.MaskChecksum(self.nblocks, dev)
+        # the side channel: what every rank must agree on before the step's update
+        self._side = Agreement(ctx, "side", fields=("nonfinite", "bandwidth_mbps", "edited", "stale", "backward_ms",
+                                                    "iteration_ms"), mask_blocks=self.nblocks)
         self._ws: Dict[int, Workspace] = {id(fg): Workspace(fg) for fg in ctx.groups}
         self._none = [torch.zeros(fg.nblocks, dtype=torch.bool, device=dev) for fg in ctx.groups]
         self._probe = EditProbe(ctx.groups)
@@ -326,107 +337,131 @@ class OSPMode(Mode):
         if self._bsp is not None:
             return self._bsp_step(inp)
         warn_grad_edits(self, inp.edited)
-        ctx = self.ctx
-        plan = self._plan_now()
+        ctx, plan = self.ctx, self._plan_now()
         crits = [self._crit(gi) for gi in range(len(ctx.groups))]
         deferreds = [self._deferred(gi) for gi in range(len(ctx.groups))]  # before _cur flips
-        stale = inp.grads_changed or self._stale()
-        # buckets packed during backward hold the gradients as backward left them (scaled, for a
-        # GradScaler); those packed from here on (all of them while "auto" times the network, or when
-        # packed again) are packed after the unscale below
-        packed_scaled = bool(self._packed)
-        try:
-            for fg in ctx.groups:
-                fg.gather_grads()
-        except ValueError:  # e.g. a sparse gradient: the same on every rank that has one
-            self._drop_stage1()
-            self._held = False
-            raise
-        ctx.scale_grads(inp.unscale)
+        # 1. pack: this rank's whole gradient, unscaled; the buckets not packed in backward are packed now
+        s1 = _Stage1(stale=inp.grads_changed or self._stale(), scaled=bool(self._packed))
+        self._gather(inp.unscale)
         # parameters changed since the last step where a correction is pending: refused on every rank
         # (after the corrections, so the ranks stay equal), as the correction overwrites such a change
         edited = self._probe.edited(self._deferred_masks())
-        # the last stage 2 has landed before the side channel starts (a sum too: Horovod must not fuse
-        # them); its exact update runs while the side channel and the last buckets' stage 1 are in flight
-        wait_s = self._wait_deferred()
-        t1 = time.perf_counter()
-        handles = list(self.buckets.launch(force=True))  # at step() while "auto" times the network
-        t_launch = t1 if not self.budget.in_backward else None
-        packed_now = False
+        wait_s = self._wait_deferred()  # the last stage 2 landed before the side channel starts
+        self._launch_stage1(s1, timed=not self.budget.in_backward)
+        if s1.scaled:  # packed in backward from the gradients as backward left them
+            ctx.scale_grads(inp.unscale, deferreds)
+        # 2. the side channel, while the last stage 2's exact update runs
+        side = self._agree(s1, plan, edited, correct=True)
+        if side.any("stale"):  # a gradient changed after backward packed it (on some rank): pack again
+            self._drop_stage1()
+            s1.scaled = s1.stale = False
+            self._launch_stage1(s1, timed=True)
+            side = self._agree(s1, plan, edited, correct=False)
+        self._steps += 1
+        if side.any("edited"):
+            self.buckets.wait(s1.handles, ctx.timeout, "stage-1 allreduce")
+            raise edited_error("OSP")
+        # 3. stage 2: the deferred blocks, averaged behind the next forward and backward
+        absent = side.absent()
         deferring = any(d.numel() for d in deferreds)
         clip = inp.max_norm is not None
-        iteration = self._t_ends[-1] - self._t_ends[-2] if len(self._t_ends) == 2 else 0.0
-        for attempt in range(2):
-            if packed_scaled and not packed_now:  # packed from the gradients as backward left them
-                ctx.scale_grads(inp.unscale, deferreds)
-            sidechannel.encode(
-                self._side, ctx.nonfinite(), self._checksum(plan.mask),
-                bandwidth=self._bw_sample, edited=edited, stale=stale,
-                backward=self._backward_s,
-                iteration=iteration)
-            ctx.presence(self._side[len(sidechannel.FIELDS):])
-            self._side_own.copy_(self._side)
-            side_h = ctx.comm.allreduce_sum_async_(self._side, f"{ctx.prefix}.side")
-            if not attempt:
-                t0 = time.perf_counter()
-                self._correct_deferred()
-                ctx.on_synced()
-                t1 += time.perf_counter() - t0  # stage1_s: the step's time on stage 1, not on corrections
-            ctx.comm.wait(side_h, ctx.timeout, "stage-1 allreduce")
-            side = sidechannel.decode(self._side, self._side_own, ctx.comm.size, self._steps + 1)
-            if not side.stale or attempt:
-                break
-            # a gradient changed after backward packed it (on some rank): every rank packs again from .grad
-            self._drop_stage1()
-            t1 = t_launch = time.perf_counter()
-            handles = list(self.buckets.launch(force=True))
-            packed_now, stale = True, False
-        self._steps += 1
-        if side.edited:
-            self.buckets.wait(handles, ctx.timeout, "stage-1 allreduce")
-            raise edited_error("OSP")
-        # stage 2: the deferred blocks, averaged behind the next forward and backward
-        absent = ctx.absent_everywhere(side.presence)
         # with clipping, or an optimizer that reads every parameter (the corrector's ``whole``), the
         # correction redoes the update of every group, not only of those with deferred blocks
         redo_all = deferring and (clip or self.corrector.whole)
-        launch2 = [] if side.nonfinite else [gi for gi, d in enumerate(deferreds) if d.numel() or redo_all]
+        nonfinite = side.any("nonfinite")
+        launch2 = [] if nonfinite else [gi for gi, d in enumerate(deferreds) if d.numel() or redo_all]
         # a sum, divided when it lands: Horovod never fuses it with stage 1's averages (their scale
         # factors differ), which start from the backward hooks while it runs; a fusion would make the
         # reduction order, hence the rounding, depend on timing
         h2 = {gi: ctx.comm.allreduce_sum_async_(deferreds[gi], f"{ctx.prefix}.s2.{gi}")
               for gi in launch2 if deferreds[gi].numel()}
-        self.buckets.wait(handles, ctx.timeout, "stage-1 allreduce")
-        t2 = time.perf_counter()
-        stage1 = t2 - t1
-        b1 = sum(c.numel() * c.element_size() for c in crits)
-        b2 = ctx.nbytes - b1
-        self._bw_sample = self.budget.stage1_sample(b1, t2 - t_launch, ctx.nbytes) if t_launch else 0.0
-        self.buckets.reset()
-        self._packed = {}
-        self._t_ready = None
-        rec = {"stage2_wait_s": wait_s, "stage1_s": stage1}
+        rec = self._finish_stage1(s1, crits, wait_s)
+        rec["bytes_stage2"] = ctx.nbytes - rec["bytes_stage1"] if h2 else 0
         # each rank's own gradient was finite, but the sum of the critical blocks may not be (float16):
         # the averages are identical on every rank, so every rank skips alike; stage 2 is dropped
-        if not side.nonfinite and ctx.any_nonfinite(crits):
+        if not nonfinite and ctx.any_nonfinite(crits):
             self.buckets.wait(list(h2.values()), ctx.timeout, "stage-2 allreduce")
-            side.nonfinite = True
-        if side.nonfinite:
-            rec.update(critical_fraction=0.0, bytes_stage1=b1, bytes_stage2=0, skipped=True, overflow=True)
+            nonfinite = True
+        if nonfinite:
+            rec.update(critical_fraction=0.0, bytes_stage2=0, skipped=True, overflow=True)
             self._end_step()
             return rec
-        self.budget.update(ctx.nbytes, side.bandwidth, side.backward, side.iteration)
+        self.budget.update(ctx.nbytes, side.mean("bandwidth_mbps") * 1e6, side.mean("backward_ms") * 1e-3,
+                           side.mean("iteration_ms") * 1e-3)
         scoring = self.budget.needs_scores or self.scores is not None and deferring
         for gi, (fg, crit) in enumerate(zip(ctx.groups, crits)):
             mask = self._group_mask(gi)
-            if packed_scaled and not packed_now:
+            if s1.scaled:
                 ctx.scale_grads(inp.unscale, [crit])
             ops.merge_blocks(crit, None, mask, fg.block_size, fg.grad, fg.nblocks - plan.ncrit[gi])
             if scoring:
                 self._set_scores(crit, fg, mask, self._group_lo[gi])
         if clip:  # the exact factor is applied when stage 2 lands
             self._clip = inp.max_norm if deferring else None
-        # snapshot what the exact update of the deferred blocks needs
+        self._snapshot(launch2, deferreds, h2, absent, clip, plan)
+        # 4. LGP's local update with the provisional gradient (averaged on critical blocks, this rank's
+        # own on deferred ones); parameters without a gradient on any rank are left alone
+        if clip:  # provisionally by the norm of this gradient (the average's on one rank, bitwise torch's)
+            ctx.clip_(inp.max_norm, absent=absent)
+        for fg, a in zip(ctx.groups, absent):
+            fg.set_grads(a)
+        unhooked_step(ctx.optimizer)
+        self.corrector.adopt(ctx.groups)
+        if self._pending:
+            self._probe.record()
+        rec["overflow"] = False
+        self._end_step()
+        return rec
+
+    def _gather(self, unscale: Optional[float]) -> None:
+        try:
+            for fg in self.ctx.groups:
+                fg.gather_grads()
+        except ValueError:  # e.g. a sparse gradient: the same on every rank that has one
+            self._drop_stage1()
+            self._held = False
+            raise
+        self.ctx.scale_grads(unscale)
+
+    def _launch_stage1(self, s1: "_Stage1", timed: bool) -> None:
+        """Pack and start the buckets not started in backward (all of them while "auto" times the network,
+        or when packed again): from the gradients as they are now, unscaled. ``timed``: all of stage 1
+        starts here, so its time measures the network."""
+        s1.t0 = time.perf_counter()
+        s1.t_launch = s1.t0 if timed else None
+        s1.handles = list(self.buckets.launch(force=True))
+
+    def _agree(self, s1: "_Stage1", plan: _Plan, edited, correct: bool):
+        """Post this rank's side channel, and read every rank's sum. With ``correct``, the previous step's
+        exact update runs while it is in flight (its time does not count as stage 1's)."""
+        ctx = self.ctx
+        iteration = self._t_ends[-1] - self._t_ends[-2] if len(self._t_ends) == 2 else 0.0
+        self._side.post(plan.mask, nonfinite=ctx.nonfinite(), bandwidth_mbps=self._bw_sample / 1e6,
+                        edited=edited, stale=s1.stale, backward_ms=self._backward_s * 1e3,
+                        iteration_ms=iteration * 1e3)
+        if correct:
+            t0 = time.perf_counter()
+            self._correct_deferred()
+            ctx.on_synced()
+            s1.t0 += time.perf_counter() - t0  # stage1_s: the step's time on stage 1, not on corrections
+        return self._side.result("stage-1 allreduce", step=self._steps + 1)
+
+    def _finish_stage1(self, s1: "_Stage1", crits: List[torch.Tensor], wait_s: float) -> dict:
+        """Wait for stage 1's averages; the step's record so far, and this rank's bandwidth sample."""
+        ctx = self.ctx
+        self.buckets.wait(s1.handles, ctx.timeout, "stage-1 allreduce")
+        t2 = time.perf_counter()
+        b1 = sum(c.numel() * c.element_size() for c in crits)
+        self._bw_sample = self.budget.stage1_sample(b1, t2 - s1.t_launch, ctx.nbytes) if s1.t_launch else 0.0
+        self.buckets.reset()
+        self._packed = {}
+        self._t_ready = None
+        return {"stage2_wait_s": wait_s, "stage1_s": t2 - s1.t0, "bytes_stage1": b1,
+                "critical_fraction": b1 / max(ctx.nbytes, 1)}
+
+    def _snapshot(self, launch2, deferreds, h2, absent, clip: bool, plan: _Plan) -> None:
+        """What the exact update of each group in stage 2 needs, taken before the local update."""
+        ctx = self.ctx
         for gi in launch2:
             fg = ctx.groups[gi]
             group = ctx.optimizer.param_groups[fg.group_index]
@@ -441,20 +476,6 @@ class OSPMode(Mode):
                                            ndeferred=fg.nblocks - plan.ncrit[gi]))
         if launch2:
             self._cur ^= 1  # the next backward packs into the other stage-2 buffer
-        # LGP: the local update with the provisional gradient (averaged on critical blocks, this
-        # rank's own on deferred ones); parameters without a gradient on any rank are left alone
-        if clip:  # provisionally by the norm of this gradient (the average's on one rank, bitwise torch's)
-            ctx.clip_(inp.max_norm, absent=absent)
-        for fg, a in zip(ctx.groups, absent):
-            fg.set_grads(a)
-        unhooked_step(ctx.optimizer)
-        self.corrector.adopt(ctx.groups)
-        if self._pending:
-            self._probe.record()
-        rec.update(critical_fraction=b1 / max(ctx.nbytes, 1), bytes_stage1=b1, bytes_stage2=b2 if h2 else 0,
-                   overflow=False)
-        self._end_step()
-        return rec
 
     def _bsp_step(self, inp: StepInput) -> dict:
         """A step handed to BSP; the last stage 2 (from before the handover) is finished first."""
@@ -534,7 +555,7 @@ class OSPMode(Mode):
         edited = self._probe.edited(self._deferred_masks()) if self._pending else None
         wait = self._wait_deferred()
         self._correct_deferred()
-        if self.ctx.any_edited(edited, "osp"):
+        if any_rank(self.ctx, edited, "osp.edited"):
             raise edited_error("OSP")
         self.ctx.on_synced()
         return wait

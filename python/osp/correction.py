@@ -14,6 +14,11 @@ update is exactly the synchronous one. One corrector per optimizer kind:
     snap = corrector.snapshot(fg, mask, n_deferred, hyper(group))  # before the provisional update
     ...                                                            # the average in flight
     corrector.correct([(snap, avg)])               # the exact update of the deferred blocks
+    corrector.restore([snap])                      # or: put them back as they were, no update
+
+A snapshot serves one ``correct`` or ``restore``. Besides, ``adopt`` follows every step of the wrapped
+optimizer (the fused kinds keep its state in flat buffers) and ``whole`` says whether a correction must
+redo every parameter's update.
 """
 from __future__ import annotations
 
@@ -63,7 +68,7 @@ class Snapshot:
     hyper: Dict[str, Any]  # the group's hyper-parameters for the update being corrected
     numel: int = 0  # elements of the deferred blocks
     #: parameters without a gradient on any rank in the update being corrected: the optimizer skips
-    #: them (as torch.optim does), and the caller puts them back with ``restore`` (``hold``)
+    #: them (as torch.optim does), and ``correct`` leaves them as the snapshot found them
     absent: set = field(default_factory=set)
 
 
@@ -110,19 +115,11 @@ class Generic:
         s.grad = self.workspace(fg)("snap.grad").copy_(fg.grad)
         return s
 
-    def hold(self, fg: FlatGroup, indices) -> "GenericSnapshot":
+    def _hold(self, fg: FlatGroup, indices) -> "GenericSnapshot":
         """A copy of parameters ``indices`` of ``fg`` and their state, to put back with ``restore``
         after an update that must leave them alone (they had no gradient on any rank)."""
         return self._keep(GenericSnapshot(fg=fg, mask=torch.ones(0, dtype=torch.bool), hyper={},
                                           touched=sorted(indices)))
-
-    def hold_from(self, snap: Snapshot, indices) -> "GenericSnapshot":
-        """Like ``hold``, but the values ``snap`` (a snapshot of every block) holds, for ``restore``."""
-        out = GenericSnapshot(fg=snap.fg, mask=torch.ones(0, dtype=torch.bool), hyper={}, touched=sorted(indices))
-        for i in out.touched:
-            out.params[i] = snap.params[i].clone()
-            out.states[i] = _clone_state(snap.states[i])
-        return out
 
     def _keep(self, s: "GenericSnapshot") -> "GenericSnapshot":
         """Copy the parameters ``s.touched`` and their state into ``s``."""
@@ -133,16 +130,15 @@ class Generic:
             s.states[i] = _clone_state(st.get(p))
         return s
 
-    def correct(self, items: List[Tuple[Snapshot, torch.Tensor]], keep: bool = True) -> None:
-        """The exact update of each snapshot's blocks with its averaged gradient. ``keep``: the
-        snapshots must hold the corrected values afterwards too (for ``advance``); without it a fused
-        kernel may write them straight to their places and leave the snapshot as it was."""
+    def correct(self, items: List[Tuple[Snapshot, torch.Tensor]]) -> None:
+        """The exact update of each snapshot's blocks with its averaged gradient (from the values the
+        snapshot holds); the parameters in its ``absent`` end as the snapshot found them."""
         self._correct_generic(items)
 
     def _correct_generic(self, items) -> None:
         if not items:
             return
-        with _stepping_only(self.optimizer) as set_grad:
+        with stepping_only(self.optimizer) as set_grad:
             for s, avg in items:
                 fg = s.fg
                 ops.merge_blocks(None, avg, s.mask, fg.block_size, s.grad, s.numel // fg.block_size)
@@ -177,11 +173,7 @@ class Generic:
         for s in snaps:
             self._restore_generic(s)
 
-    def advance(self, snaps: Sequence[Snapshot]) -> List[Snapshot]:
-        """Snapshots of the state ``correct(snaps)`` just wrote (for a next exact update on top)."""
-        return [self.snapshot(s.fg, s.mask, s.numel, s.hyper) for s in snaps]
-
-    def step_count(self, fg: FlatGroup) -> float:
+    def _step_count(self, fg: FlatGroup) -> float:
         """How many updates the state of ``fg`` has had, where the kernels need it (Adam); else 0."""
         return 0.0
 
@@ -189,24 +181,8 @@ class Generic:
         """Bytes of the buffers kept for snapshots."""
         return sum(ws.nbytes() for ws in self._ws.values())
 
-    def replay(self, items: List[Tuple[FlatGroup, torch.Tensor]], step_hyper: List[dict],
-               absent: Sequence[set] = ()) -> None:
-        """A provisional update of whole flat groups with the gradients ``items`` under the
-        hyper-parameters of the step being replayed (``step_hyper``, one dict per param group);
-        ``absent``: per item, the parameters that had no gradient in that step (left alone, as the
-        provisional update left them). Update numbers (Adam's) continue from the state's."""
-        absent = list(absent) or [set()] * len(items)
-        with _stepping_only(self.optimizer) as set_grad:
-            for g, h in zip(self.optimizer.param_groups, step_hyper):
-                g.update(h)
-            for (fg, grad), skip in zip(items, absent):
-                for i, p in enumerate(fg.params):
-                    if i not in skip:
-                        set_grad(p, fg.view(grad, i))
-            unhooked_step(self.optimizer)
 
-
-class _stepping_only:
+class stepping_only:
     """Step the wrapped optimizer on chosen parameters only: every other gradient is hidden (an optimizer
     skips a parameter without a gradient), and gradients and hyper-parameters are put back after."""
 
@@ -288,57 +264,52 @@ class _Fused(Generic):
                 ops.split_blocks(flat[key], mask, bs, None, s.state[key], n_deferred // bs)
             else:
                 s.state[key] = None  # no state before this step (its first)
-        s.step = self.step_count(fg) + 1
+        s.step = self._step_count(fg) + 1
         return s
 
-    def hold_from(self, snap, indices):
-        if not isinstance(snap, FusedSnapshot):
-            return super().hold_from(snap, indices)
-        fg = snap.fg  # a snapshot of every block packs the group in its own layout
-        out = GenericSnapshot(fg=fg, mask=torch.ones(0, dtype=torch.bool), hyper={}, touched=sorted(indices))
+    def _held(self, s: FusedSnapshot) -> GenericSnapshot:
+        """The parameters of ``s.absent`` as ``s`` found them, to put back after its correction: from the
+        snapshot where it holds every block (in the group's own layout), else as they are now (a
+        snapshot of some blocks is corrected before the next update: they still hold those values)."""
+        if s.numel != s.fg.padded:
+            return self._hold(s.fg, s.absent)
+        fg = s.fg
+        out = GenericSnapshot(fg=fg, mask=torch.ones(0, dtype=torch.bool), hyper={}, touched=sorted(s.absent))
         for i in out.touched:
-            out.params[i] = fg.view(snap.param, i).clone()
-            if any(buf is None for buf in snap.state.values()):
+            out.params[i] = fg.view(s.param, i).clone()
+            if any(buf is None for buf in s.state.values()):
                 out.states[i] = None
             else:
-                out.states[i] = {k: fg.view(buf, i).clone() for k, buf in snap.state.items()}
-                out.states[i].update(self._scalar_state(snap))
+                out.states[i] = {k: fg.view(buf, i).clone() for k, buf in s.state.items()}
+                out.states[i].update(self._scalar_state(s))
         return out
 
     def _scalar_state(self, snap: FusedSnapshot) -> dict:
         """The per-parameter state a fused snapshot keeps as one number for the group."""
         return {}
 
-    def correct(self, items, keep=True):
+    def correct(self, items):
         generic = [(s, a) for s, a in items if not isinstance(s, FusedSnapshot)]
         for s, avg in items:
             if isinstance(s, FusedSnapshot):
+                held = self._held(s) if s.absent else None  # the kernels update whole blocks
                 if len(s.absent) == len(s.fg.params):  # no gradient anywhere: torch.optim leaves them all
+                    self.restore([held])
                     continue
                 self._set_count(s.fg, s.step)
-                if not keep and self._correct_into(s, avg):
-                    continue
-                self._kernel(s.fg, s.param, avg, s.state, s.hyper, s.step)
-                for key, buf in s.state.items():
-                    ops.merge_blocks(None, buf, s.mask, s.fg.block_size, self.flat[id(s.fg)][key],
+                if not self._correct_into(s, avg):
+                    self._kernel(s.fg, s.param, avg, s.state, s.hyper, s.step)
+                    for key, buf in s.state.items():
+                        ops.merge_blocks(None, buf, s.mask, s.fg.block_size, self.flat[id(s.fg)][key],
+                                         s.numel // s.fg.block_size)
+                    ops.merge_blocks(None, s.param, s.mask, s.fg.block_size, s.fg.param,
                                      s.numel // s.fg.block_size)
-                ops.merge_blocks(None, s.param, s.mask, s.fg.block_size, s.fg.param, s.numel // s.fg.block_size)
+                if held is not None:
+                    self.restore([held])
         self._correct_generic(generic)
         # the generic path may leave new state tensors (a parameter's first update): link them, as the
         # group may take the kernels again next time
         self.adopt([s.fg for s, _ in generic])
-
-    def advance(self, snaps):
-        # a fused correction computes in the snapshot's own buffers: they hold what it wrote, the state
-        # before the next update
-        out = []
-        for s in snaps:
-            if isinstance(s, FusedSnapshot):
-                s.step += 1
-                out.append(s)
-            else:
-                out.append(self.snapshot(s.fg, s.mask, s.numel, s.hyper))
-        return out
 
     def restore(self, snaps):
         st = self.optimizer.state
@@ -357,21 +328,6 @@ class _Fused(Generic):
             for key, buf in s.state.items():
                 ops.merge_blocks(None, buf, s.mask, bs, self.flat[id(s.fg)][key], s.numel // bs)
 
-    def replay(self, items, step_hyper, absent=()):
-        generic, gabsent = [], []
-        for (fg, grad), skip in zip(items, list(absent) or [set()] * len(items)):
-            if skip or not (self.fused_ok(fg) and self.has_state(fg)):  # the kernels update whole groups
-                generic.append((fg, grad))
-                gabsent.append(skip)
-                continue
-            state = {key: self.flat[id(fg)][key] for key in self.state_keys(fg)}
-            step = self.step_count(fg) + 1
-            self._kernel(fg, fg.param, grad, state, step_hyper[fg.group_index], step)
-            self._set_count(fg, step)
-        if generic:
-            super().replay(generic, step_hyper, gabsent)
-            self.adopt([fg for fg, _ in generic])
-
     def _set_count(self, fg: FlatGroup, step: float) -> None:
         """A kernel applied update number ``step`` to every parameter of ``fg``: where the optimizer keeps
         that number in its own state (Adam's ``step``), it must say so too, or the steps that follow
@@ -383,7 +339,7 @@ class _Fused(Generic):
         return False
 
     def _kernel(self, fg, param, grad, state, h, step) -> None:
-        """One exact optimizer update of ``param`` (packed or whole) with ``grad``; ``state`` holds
+        """One exact optimizer update of ``param`` (packed) with ``grad``; ``state`` holds
         buffers of the same layout (a None entry: the state starts with this update); they are filled
         in place (a None entry is replaced)."""
         raise NotImplementedError
@@ -436,7 +392,7 @@ class FusedAdam(_Fused):
         st = self.optimizer.state.get(p)
         return float(st["step"]) if st else 0.0
 
-    def step_count(self, fg):
+    def _step_count(self, fg):
         return self._step_of(fg.params[0])
 
     def _scalar_state(self, snap):

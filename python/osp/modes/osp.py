@@ -537,9 +537,7 @@ class OSPMode(Mode):
             items = [(d.snap, d.full) for d in self._pending]
         for d in self._pending:
             d.snap.absent = d.absent
-        held = [self.corrector.hold(d.snap.fg, d.absent) for d in self._pending if d.absent]
-        self.corrector.correct(items, keep=False)  # the snapshots are dropped below
-        self.corrector.restore(held)
+        self.corrector.correct(items)
         # scored after the corrections: with "relative", |w| must be the exact (shared) parameters,
         # not this rank's provisional ones, or ranks would pick different blocks next step
         for d in self._pending:

@@ -216,6 +216,13 @@ def check_int(owner: str, name: str, value, lo: int, hi: Optional[int] = None) -
     return value
 
 
+def check_positive(owner: str, name: str, value) -> float:
+    """``value`` must be a positive number (not a bool); a ValueError naming what was got otherwise."""
+    if isinstance(value, bool) or not (isinstance(value, (int, float)) and value > 0):
+        raise ValueError(f"osp: {owner}({name}) must be a positive number, got {value!r}")
+    return float(value)
+
+
 def check_share(owner: str, name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= float(value) <= 1.0:
         raise ValueError(f"osp: {owner}({name}) must be a number in [0, 1], got {value!r}")

@@ -6,7 +6,7 @@ import time
 from ..agreement import Agreement
 from ..buckets import Buckets
 from ..correction import unhooked_step
-from .base import Context, Mode, Options, StepInput
+from .base import Context, Mode, Options, StepInput, check_positive
 
 
 class BSP(Options):
@@ -19,9 +19,7 @@ class BSP(Options):
     block_size = None
 
     def __init__(self, bucket_mb: float = 25.0):
-        if isinstance(bucket_mb, bool) or not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
-            raise ValueError(f"osp: BSP(bucket_mb) must be a positive number, got {bucket_mb!r}")
-        self.bucket_mb = float(bucket_mb)
+        self.bucket_mb = check_positive("BSP", "bucket_mb", bucket_mb)
 
     def __repr__(self):
         return f"BSP(bucket_mb={self.bucket_mb:g})"

@@ -21,7 +21,7 @@ from ..buckets import Buckets
 from ..comm import Handle
 from ..correction import Snapshot, corrector_for, hyper, stepping_only, unhooked_step
 from ..layout import EditProbe, Workspace
-from .base import Context, Mode, Options, StepInput, check_int, edited_error
+from .base import Context, Mode, Options, StepInput, check_int, check_positive, edited_error
 
 
 class DSync(Options):
@@ -53,9 +53,8 @@ class DSync(Options):
         check_int("DSync", "max_delay", max_delay, 1)
         if delay != "auto" and max_delay < delay:
             raise ValueError(f"osp: DSync(max_delay) must be >= delay={delay}, got {max_delay!r}")
-        if isinstance(bucket_mb, bool) or not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
-            raise ValueError(f"osp: DSync(bucket_mb) must be a positive number, got {bucket_mb!r}")
-        self.delay, self.max_delay, self.bucket_mb = delay, max_delay, float(bucket_mb)
+        self.delay, self.max_delay = delay, max_delay
+        self.bucket_mb = check_positive("DSync", "bucket_mb", bucket_mb)
         self.window = check_int("DSync", "window", window, 1)
 
     def __repr__(self):

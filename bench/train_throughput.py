@@ -155,7 +155,7 @@ def worker(a):
         # every step's critical share, warm-up included: how fast auto settles, and whether it holds
         out["criticals"] = [h.get("critical_fraction") for h in full]
         if hasattr(opt.mode, "budget"):  # what OSP auto measured and tried
-            out["budget"] = opt.mode.budget.state_dict()
+            out["budget"] = opt.mode.split.budget.state_dict()
         if family == "dsync":
             delays = [h["delay"] for h in hist]
             out.update(delay_median=statistics.median(delays), delay_max=max(delays),

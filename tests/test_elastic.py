@@ -205,14 +205,14 @@ def test_reset_world_drops_work_in_flight_and_keeps_the_scores(one_rank):
         model(torch.randn(8, 32)).sum().backward()
         opt.step()
     assert opt.in_flight
-    scores = opt.mode.scores.clone()
+    scores = opt.mode.split.scores.clone()
     opt.reset_world()
-    assert not opt.in_flight and torch.equal(opt.mode.scores, scores)
+    assert not opt.in_flight and torch.equal(opt.mode.split.scores, scores)
     sd = opt.state_dict()  # would raise with work in flight
     sd["osp"]["size"] = 3
     sd["osp"]["budget"]["steps"] = 99
     opt.load_state_dict(sd)
-    assert opt.mode.budget.steps == 0  # measured in a world of 3 ranks: not this one's
+    assert opt.mode.split.budget.steps == 0  # measured in a world of 3 ranks: not this one's
     opt.zero_grad()
     model(torch.randn(8, 32)).sum().backward()
     opt.step()

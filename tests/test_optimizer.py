@@ -400,7 +400,7 @@ def test_bucket_ready_last_sends_only_the_floor_in_stage_1(one_rank, critical):
         x, y = torch.randn(8, 16, generator=g), torch.randint(0, 5, (8,), generator=g)
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
-        plan, geo = opt.mode._plan, opt.mode._geo  # the split backward packed by
+        plan, geo = opt.mode.split.plan(), opt.mode.split.geo  # the split backward packed by
         opt.step()
         sizes = [b1 - b0 for _, b0, b1 in geo]
         assert len(sizes) == 6 and geo[-1][1] == 0, geo  # the first weight's blocks, ready last

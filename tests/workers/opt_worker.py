@@ -253,7 +253,7 @@ def configs(only=None):
         if auto:
             # warmup 1, then 2 in-backward BSP steps (the model: all deferred), 2 steps trying it, 2 a
             # quarter of it, and at step 8 the measured choice, held from then on
-            b = opt.mode.budget
+            b = opt.mode.split.budget
             check(f"deferred/{cname}", all(h["critical_fraction"] == 1.0 for h in hist[:3])
                   and all(h["bytes_stage2"] > 0 and h["critical_fraction"] < 0.1 for h in hist[3:7])
                   and b.phase == "settled" and b.steps == STEPS and b.fraction in b.shares.values()
@@ -400,7 +400,8 @@ def badinput():
         train_step(model, opt, step)
     opt.flush()
     if rank == size - 1:
-        opt.mode.scores = opt.mode.scores.flip(0).contiguous()  # this rank's idea of the important blocks differs
+        # this rank's idea of the important blocks differs
+        opt.mode.split.scores = opt.mode.split.scores.flip(0).contiguous()
     expect_error("mask_mismatch", RuntimeError, "ranks chose different critical blocks",
                  lambda: train_step(model, opt, 2))
 

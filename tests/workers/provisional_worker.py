@@ -62,7 +62,7 @@ def run(name, sync, make_opt, max_norm):
     pending = None  # (mask, avg) of the last step's deferred blocks, landing in this step
     env = C.Env(C.Case("bsp", "plain", "sgd"), wrapped=False, rank=rank)  # for its data only
     for t in range(STEPS):
-        held = None if opt.mode.scores is None else opt.mode.scores.clone()
+        held = None if opt.mode.split.scores is None else opt.mode.split.scores.clone()
         opt.zero_grad()
         x, y = env.data(t)
         ((model(x).float() - y) ** 2).mean().backward()
@@ -76,7 +76,7 @@ def run(name, sync, make_opt, max_norm):
         # the critical blocks: the top scores of each bucket, as many in all as the budget gives
         if held is not None:
             k_total = 0
-            for (_, b0, b1) in opt.mode._geo:
+            for (_, b0, b1) in opt.mode.split.geo:
                 m, s = mask[b0:b1], held[b0:b1]
                 k_total += int(m.sum())
                 top = torch.zeros_like(m)
@@ -84,7 +84,7 @@ def run(name, sync, make_opt, max_norm):
                 if not torch.equal(m, top):
                     return False, (f"step {t}: bucket blocks {b0}-{b1} critical {m.tolist()}, "
                                    f"top by score {top.tolist()}")
-            want = sum(opt.mode.budget.count(b1 - b0) for _, b0, b1 in opt.mode._geo)
+            want = sum(opt.mode.split.budget.count(b1 - b0) for _, b0, b1 in opt.mode.split.geo)
             if k_total != want:
                 return False, f"step {t}: {k_total} critical blocks, the budget gives {want}"
             if not torch.allclose(held, scores_ref, rtol=1e-5, atol=1e-12):

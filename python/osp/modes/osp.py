@@ -1,7 +1,6 @@
 """OSP: two-stage synchronization with exact local-gradient correction (DESIGN.md, "OSP")."""
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
@@ -13,9 +12,9 @@ from ..agreement import Agreement, any_rank
 from ..buckets import Buckets
 from ..comm import Handle
 from ..correction import Snapshot, corrector_for, hyper, unhooked_step
-from ..layout import EditProbe, FlatGroup, Workspace
-from ..policy import Budget, select_critical
-from .base import Context, Mode, Options, StepInput, check_share, edited_error, warn_grad_edits
+from ..layout import EditProbe, Workspace
+from ..policy import Plan, Split
+from .base import Context, Mode, Options, StepInput, check_positive, check_share, edited_error, warn_grad_edits
 from .bsp import BSP, BSPMode
 
 _MAX_BLOCK = 1 << 30
@@ -66,9 +65,7 @@ class OSP(Options):
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
             raise ValueError(f"osp: OSP(warmup) must be a non-negative integer, got {warmup!r}")
         self.warmup = warmup
-        if isinstance(bucket_mb, bool) or not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
-            raise ValueError(f"osp: OSP(bucket_mb) must be a positive number, got {bucket_mb!r}")
-        self.bucket_mb = float(bucket_mb)
+        self.bucket_mb = check_positive("OSP", "bucket_mb", bucket_mb)
 
     def __repr__(self):
         return (f"OSP(critical={self.critical!r}, min_critical={self.min_critical:g}, "
@@ -77,18 +74,6 @@ class OSP(Options):
 
     def build(self, ctx: Context) -> "OSPMode":
         return OSPMode(self, ctx)
-
-
-@dataclass
-class _Plan:
-    """The split of one step, known before its backward (from the scores of earlier averaged
-    gradients): the critical blocks, how many each bucket has, and where each bucket's blocks go in its
-    flat group's packed buffers (which keep block order, as ``split_blocks`` of the whole group would)."""
-    mask: torch.Tensor
-    counts: List[int]  # per bucket: critical blocks
-    crit_at: List[int]  # per bucket: its first critical block's index in the group's packed stage 1
-    deferred_at: List[int]  # per bucket: likewise in the packed stage 2
-    ncrit: List[int]  # per flat group: critical blocks
 
 
 @dataclass
@@ -125,8 +110,6 @@ class OSPMode(Mode):
 
     def __init__(self, options: OSP, ctx: Context):
         super().__init__(options, ctx)
-        self.budget = self._new_budget()
-        self._size = ctx.comm.size  # the world the budget measures in
         self.corrector = corrector_for(ctx.optimizer)
         dev = ctx.device
         self.nblocks = ctx.nblocks
@@ -136,7 +119,6 @@ class OSPMode(Mode):
         self._ws: Dict[int, Workspace] = {id(fg): Workspace(fg) for fg in ctx.groups}
         self._none = [torch.zeros(fg.nblocks, dtype=torch.bool, device=dev) for fg in ctx.groups]
         self._probe = EditProbe(ctx.groups)
-        self.scores: Optional[torch.Tensor] = None  # block scores of the last averaged gradients
         self._pending: List[_Deferred] = []
         # clipping by the norm of the averaged gradient, pending on stage 2: the step's update is redone for
         # every block (of every group) once the deferred part of the norm is known; its max_norm
@@ -145,14 +127,7 @@ class OSPMode(Mode):
         # the buckets, as block ranges of their flat group (the blocks that start in the bucket's
         # elements: a block reaching into the next bucket up is ready, as that bucket started earlier)
         self.buckets = Buckets(ctx.groups, options.bucket_mb, ctx.comm, f"{ctx.prefix}.s1", start=self._start)
-        gindex = {id(fg): gi for gi, fg in enumerate(ctx.groups)}
-        self._geo = [(gindex[id(fg)], -(-lo // fg.block_size), -(-hi // fg.block_size))
-                     for fg, lo, hi, _ in self.buckets.buckets]
-        self._group_lo, lo = [], 0  # each flat group's first block in the score vector
-        for fg in ctx.groups:
-            self._group_lo.append(lo)
-            lo += fg.nblocks
-        self._plan: Optional[_Plan] = None
+        self.split = Split(options, ctx.groups, self.buckets.buckets, ctx.comm.size)
         self._cur = 0  # the stage-2 buffer this step's backward packs into
         self._packed: Dict[int, int] = {}  # bucket -> its gradients' versions when packed (their sum)
         self._t_ready: Optional[float] = None  # when this step's first gradient was ready
@@ -178,7 +153,7 @@ class OSPMode(Mode):
         """Hand the steps to BSP once no block can be deferred any more (nothing is scored, split,
         packed or corrected then): in-backward BSP, as DDP does it, with ``.grad`` the average after
         backward. A stage 2 still in flight is finished first, by the next ``step()``."""
-        if self.budget.needs_scores:
+        if self.split.budget.needs_scores:
             self._bsp = None
         elif self._bsp is None:
             self._bsp = BSPMode(BSP(self.options.bucket_mb), self.ctx)
@@ -186,102 +161,21 @@ class OSPMode(Mode):
     def synchronize(self) -> None:  # while BSP has the steps (grad_is_average)
         self._bsp.synchronize()
 
-    def _new_budget(self) -> Budget:
-        return Budget(self.options.critical, self.options.min_critical, warmup=self.options.warmup)
-
-    # -- the split ------------------------------------------------------------------------------
-    def _make_plan(self) -> _Plan:
-        """The coming step's critical blocks: per bucket the ``budget.count`` best by the scores of the
-        last averaged gradients, which every rank holds bitwise alike (no collective; until there are
-        scores, every block is critical, unless none is to be). Each bucket gets its own quota, so
-        every count is known on the host without a device sync. With ``critical=0.0`` every step, the
-        first too, defers everything (``DSync(delay=1)``)."""
-        dev = self.ctx.device
-        counts = self._quotas()
-        mask = torch.ones(self.nblocks, dtype=torch.bool, device=dev)
-        if self.scores is None:
-            if not any(counts):
-                mask.fill_(False)
-            else:
-                counts = [b1 - b0 for _, b0, b1 in self._geo]
-        else:
-            for (gi, b0, b1), k in zip(self._geo, counts):
-                if k < b1 - b0:
-                    lo = self._group_lo[gi]
-                    mask[lo + b0:lo + b1] = select_critical(self.scores[lo + b0:lo + b1], k)
-        crit_at, deferred_at = [0] * len(self._geo), [0] * len(self._geo)
-        ncrit = [0] * len(self.ctx.groups)
-        ndef = [0] * len(self.ctx.groups)
-        for b in sorted(range(len(self._geo)), key=lambda b: self._geo[b][1:]):  # block order
-            gi, b0, b1 = self._geo[b]
-            crit_at[b], deferred_at[b] = ncrit[gi], ndef[gi]
-            ncrit[gi] += counts[b]
-            ndef[gi] += b1 - b0 - counts[b]
-        return _Plan(mask=mask, counts=counts, crit_at=crit_at, deferred_at=deferred_at, ncrit=ncrit)
-
-    def _quotas(self) -> List[int]:
-        """Critical blocks per bucket. The bucket ready last (the first layers, at the very end of
-        backward) can only send its critical blocks after backward, where the step waits for them: it
-        keeps only the ``min_critical`` floor, and the blocks it gives up go to the buckets ready
-        earlier (by size, those ready first first), whose averages run while backward still computes.
-        The total is what the budget's share gives every bucket alike."""
-        sizes = [b1 - b0 for _, b0, b1 in self._geo]
-        counts = [self.budget.count(n) for n in sizes]
-        if len(sizes) < 2 or not sum(sizes[:-1]):
-            return counts
-        last = len(sizes) - 1
-        floor = min(counts[last], math.ceil(self.options.min_critical * sizes[last]))
-        extra = given = counts[last] - floor
-        counts[last] = floor
-        earlier = sum(sizes[:last])
-        for rounding in (True, False):  # by size, then whatever rounding left over
-            for b in range(last):
-                if extra <= 0:
-                    break
-                add = min(sizes[b] - counts[b], extra, -(-given * sizes[b] // earlier) if rounding else extra)
-                counts[b] += add
-                extra -= add
-        counts[last] += extra  # no room ready earlier: it stays with the last bucket
-        return counts
-
-    def _plan_now(self) -> _Plan:
-        if self._plan is None:
-            self._plan = self._make_plan()
-        return self._plan
-
-    def _group_mask(self, gi: int) -> torch.Tensor:
-        lo = self._group_lo[gi]
-        return self._plan.mask[lo:lo + self.ctx.groups[gi].nblocks]
-
-    def _set_scores(self, buf: torch.Tensor, fg: FlatGroup, mask: torch.Tensor, lo: int) -> None:
-        """Score the blocks packed in ``buf`` (those where ``mask`` is set) and store them in their
-        places of the score vector (a merge with one-element blocks: no device sync). With
-        ``relative``, |w| is read from the parameters as they are now, which must be bitwise equal on
-        every rank: call only where the replicas are."""
-        if self.scores is None:
-            self.scores = torch.zeros(self.nblocks, dtype=torch.float32, device=mask.device)
-        w = None
-        if self.options.metric == "relative":
-            w = torch.empty_like(buf)
-            ops.split_blocks(fg.param, mask, fg.block_size, w, None)
-        scores = ops.score_blocks(buf, fg.block_size, self.options.metric, param=w)[0]
-        ops.merge_blocks(scores, None, mask, 1, self.scores[lo:lo + fg.nblocks])
-
     # -- stage 1 from the backward hooks ----------------------------------------------------------
     def _crit(self, gi: int) -> torch.Tensor:
         fg = self.ctx.groups[gi]
-        return self._ws[id(fg)]("crit", self._plan.ncrit[gi] * fg.block_size)
+        return self._ws[id(fg)]("crit", self.split.plan().ncrit[gi] * fg.block_size)
 
     def _deferred(self, gi: int) -> torch.Tensor:
         fg = self.ctx.groups[gi]
-        n = (fg.nblocks - self._plan.ncrit[gi]) * fg.block_size
+        n = (fg.nblocks - self.split.plan().ncrit[gi]) * fg.block_size
         return self._ws[id(fg)](f"deferred{self._cur}", n)
 
     def _start(self, b: int) -> Optional[Handle]:
         """Bucket ``b``'s gradients are gathered: pack its blocks and start averaging the critical ones."""
-        plan, (gi, b0, b1) = self._plan_now(), self._geo[b]
+        plan, (gi, b0, b1) = self.split.plan(), self.split.geo[b]
         fg = self.ctx.groups[gi]
-        bs, k, lo = fg.block_size, plan.counts[b], self._group_lo[gi]
+        bs, k, lo = fg.block_size, plan.counts[b], self.split.group_lo[gi]
         crit = self._crit(gi)[plan.crit_at[b] * bs:(plan.crit_at[b] + k) * bs]
         deferred = self._deferred(gi)[plan.deferred_at[b] * bs:(plan.deferred_at[b] + b1 - b0 - k) * bs]
         ops.split_blocks(fg.grad[b0 * bs:b1 * bs], plan.mask[lo + b0:lo + b1], bs, crit, deferred, b1 - b0 - k)
@@ -308,7 +202,7 @@ class OSPMode(Mode):
             self._t_ready = time.perf_counter()
         if p.grad is not None and p.grad.layout != torch.strided:
             self._held = True  # step() raises, naming the parameter; nothing more starts in backward
-        if self.budget.in_backward and not self._held:
+        if self.split.budget.in_backward and not self._held:
             self.buckets.on_ready(p)
 
     def end_backward(self):
@@ -316,7 +210,7 @@ class OSPMode(Mode):
             return self._bsp.end_backward()
         if self._t_ready is not None:
             self._backward_s = time.perf_counter() - self._t_ready
-        if self.budget.in_backward and not self._held:  # the rest: a missing gradient counts as zeros
+        if self.split.budget.in_backward and not self._held:  # the rest: a missing gradient counts as zeros
             self.buckets.launch(force=True)
 
     def restart(self):
@@ -337,7 +231,7 @@ class OSPMode(Mode):
         if self._bsp is not None:
             return self._bsp_step(inp)
         warn_grad_edits(self, inp.edited)
-        ctx, plan = self.ctx, self._plan_now()
+        ctx, plan = self.ctx, self.split.plan()
         crits = [self._crit(gi) for gi in range(len(ctx.groups))]
         deferreds = [self._deferred(gi) for gi in range(len(ctx.groups))]  # before _cur flips
         # 1. pack: this rank's whole gradient, unscaled; the buckets not packed in backward are packed now
@@ -347,7 +241,7 @@ class OSPMode(Mode):
         # (after the corrections, so the ranks stay equal), as the correction overwrites such a change
         edited = self._probe.edited(self._deferred_masks())
         wait_s = self._wait_deferred()  # the last stage 2 landed before the side channel starts
-        self._launch_stage1(s1, timed=not self.budget.in_backward)
+        self._launch_stage1(s1, timed=not self.split.budget.in_backward)
         if s1.scaled:  # packed in backward from the gradients as backward left them
             ctx.scale_grads(inp.unscale, deferreds)
         # 2. the side channel, while the last stage 2's exact update runs
@@ -386,16 +280,16 @@ class OSPMode(Mode):
             rec.update(critical_fraction=0.0, bytes_stage2=0, skipped=True, overflow=True)
             self._end_step()
             return rec
-        self.budget.update(ctx.nbytes, side.mean("bandwidth_mbps") * 1e6, side.mean("backward_ms") * 1e-3,
+        self.split.budget.update(ctx.nbytes, side.mean("bandwidth_mbps") * 1e6, side.mean("backward_ms") * 1e-3,
                            side.mean("iteration_ms") * 1e-3)
-        scoring = self.budget.needs_scores or self.scores is not None and deferring
+        scoring = self.split.budget.needs_scores or self.split.scores is not None and deferring
         for gi, (fg, crit) in enumerate(zip(ctx.groups, crits)):
-            mask = self._group_mask(gi)
+            mask = self.split.group_mask(gi)
             if s1.scaled:
                 ctx.scale_grads(inp.unscale, [crit])
             ops.merge_blocks(crit, None, mask, fg.block_size, fg.grad, fg.nblocks - plan.ncrit[gi])
             if scoring:
-                self._set_scores(crit, fg, mask, self._group_lo[gi])
+                self.split.score(crit, fg, mask, self.split.group_lo[gi])
         if clip:  # the exact factor is applied when stage 2 lands
             self._clip = inp.max_norm if deferring else None
         self._snapshot(launch2, deferreds, h2, absent, clip, plan)
@@ -431,7 +325,7 @@ class OSPMode(Mode):
         s1.t_launch = s1.t0 if timed else None
         s1.handles = list(self.buckets.launch(force=True))
 
-    def _agree(self, s1: "_Stage1", plan: _Plan, edited, correct: bool):
+    def _agree(self, s1: "_Stage1", plan: Plan, edited, correct: bool):
         """Post this rank's side channel, and read every rank's sum. With ``correct``, the previous step's
         exact update runs while it is in flight (its time does not count as stage 1's)."""
         ctx = self.ctx
@@ -452,26 +346,26 @@ class OSPMode(Mode):
         self.buckets.wait(s1.handles, ctx.timeout, "stage-1 allreduce")
         t2 = time.perf_counter()
         b1 = sum(c.numel() * c.element_size() for c in crits)
-        self._bw_sample = self.budget.stage1_sample(b1, t2 - s1.t_launch, ctx.nbytes) if s1.t_launch else 0.0
+        self._bw_sample = self.split.budget.stage1_sample(b1, t2 - s1.t_launch, ctx.nbytes) if s1.t_launch else 0.0
         self.buckets.reset()
         self._packed = {}
         self._t_ready = None
         return {"stage2_wait_s": wait_s, "stage1_s": t2 - s1.t0, "bytes_stage1": b1,
                 "critical_fraction": b1 / max(ctx.nbytes, 1)}
 
-    def _snapshot(self, launch2, deferreds, h2, absent, clip: bool, plan: _Plan) -> None:
+    def _snapshot(self, launch2, deferreds, h2, absent, clip: bool, plan: Plan) -> None:
         """What the exact update of each group in stage 2 needs, taken before the local update."""
         ctx = self.ctx
         for gi in launch2:
             fg = ctx.groups[gi]
             group = ctx.optimizer.param_groups[fg.group_index]
-            mask = self._group_mask(gi)
+            mask = self.split.group_mask(gi)
             if clip:  # the whole step is redone once the norm is known
                 snap = self.corrector.snapshot(fg, self._none[gi], fg.padded, hyper(group))
                 full = self._ws[id(fg)]("full").copy_(fg.grad)
             else:
                 snap, full = self.corrector.snapshot(fg, mask, deferreds[gi].numel(), hyper(group)), None
-            self._pending.append(_Deferred(snap=snap, lo=self._group_lo[gi], handle=h2.get(gi),
+            self._pending.append(_Deferred(snap=snap, lo=self.split.group_lo[gi], handle=h2.get(gi),
                                            avg=deferreds[gi], mask=mask, absent=absent[gi], full=full,
                                            ndeferred=fg.nblocks - plan.ncrit[gi]))
         if launch2:
@@ -488,7 +382,7 @@ class OSPMode(Mode):
         return rec
 
     def _end_step(self) -> None:
-        self._plan = None  # the next step's split, from the scores as they are now (made on first use)
+        self.split.forget_plan()  # the next step's, from the scores as they are now (made on first use)
         self._t_ends = (self._t_ends + [time.perf_counter()])[-2:]
         self._follow_budget()
 
@@ -541,7 +435,7 @@ class OSPMode(Mode):
         # scored after the corrections: with "relative", |w| must be the exact (shared) parameters,
         # not this rank's provisional ones, or ranks would pick different blocks next step
         for d in self._pending:
-            self._set_scores(d.avg, d.snap.fg, ~d.mask, d.lo)
+            self.split.score(d.avg, d.snap.fg, ~d.mask, d.lo)
         self._pending = []
         self._clip = None
 
@@ -560,23 +454,10 @@ class OSPMode(Mode):
 
     # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self):
-        # the next split is chosen from the scores: needed to resume bitwise; the budget's figures hold
-        # for the world size they were measured in
-        return {"budget": self.budget.state_dict(), "size": self._size,
-                "scores": None if self.scores is None else self.scores.detach().cpu().clone()}
+        return self.split.state_dict()
 
     def load_state_dict(self, state):
         self.corrector.adopt(self.ctx.groups)  # the optimizer's state, in flat buffers
-        if "budget" not in state:
-            return
-        if state.get("size", self._size) == self._size:
-            self.budget.load_state_dict(state["budget"])
-        else:  # measured in a world of another size: measure again
-            self.budget = self._new_budget()
-        scores = state.get("scores")
-        if scores is not None and scores.numel() != self.nblocks:
-            raise ValueError(f"osp: the checkpoint's scores cover {scores.numel()} blocks, this "
-                             f"optimizer has {self.nblocks} (another model or block_size?)")
-        self.scores = None if scores is None else scores.to(self.ctx.device)
-        self._plan = None
-        self._follow_budget()
+        if "budget" in state:
+            self.split.load_state_dict(state, self.ctx.device)
+            self._follow_budget()

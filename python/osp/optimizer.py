@@ -25,7 +25,7 @@ import torch
 from . import amp, parameters, teardown
 from .accumulation import Accumulation
 from .comm import Comm, get_comm
-from .modes.base import Context, Mode, Options, StepInput
+from .modes.base import Context, Mode, StepInput
 from .modes.osp import OSP
 from .steplog import StepLog
 
@@ -60,22 +60,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  backend="auto", backward_passes_per_step: int = 1, timeout: float = 600.0,
                  on_synced: Optional[Callable[["DistributedOptimizer"], None]] = None):
         # Composition, not Optimizer.__init__: the wrapped optimizer owns param_groups and state.
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"osp: expected a torch.optim.Optimizer to wrap, got {type(optimizer).__name__}")
         if isinstance(optimizer, DistributedOptimizer):
             raise TypeError("osp: the optimizer is already a DistributedOptimizer")
-        sync = OSP() if sync is None else sync
-        if not isinstance(sync, Options):
-            raise TypeError(f"osp: sync must be osp.BSP(), osp.OSP(...), osp.DSync(...) or osp.HSP(...), "
-                            f"got {sync!r}")
-        if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
-                or backward_passes_per_step < 1:
-            raise ValueError(f"osp: backward_passes_per_step must be an integer >= 1, got "
-                             f"{backward_passes_per_step!r}")
-        if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and timeout > 0):
-            raise ValueError(f"osp: timeout must be a positive number of seconds, got {timeout!r}")
-        if on_synced is not None and not callable(on_synced):
-            raise TypeError(f"osp: on_synced must be callable or None, got {on_synced!r}")
+        sync = parameters.check_arguments(optimizer, OSP() if sync is None else sync, backward_passes_per_step,
+                                          timeout, on_synced)
         self.optimizer, self.sync, self.timeout = optimizer, sync, float(timeout)
         self.backward_passes_per_step = backward_passes_per_step
         self.on_synced = on_synced

@@ -14,6 +14,22 @@ import torch
 from . import ops
 from .comm import Comm
 from .layout import FlatGroup
+from .modes.base import Options
+
+
+def check_arguments(optimizer, sync, passes, timeout, on_synced):
+    """``DistributedOptimizer``'s arguments, each a clear error naming what was expected; returns ``sync``."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"osp: expected a torch.optim.Optimizer to wrap, got {type(optimizer).__name__}")
+    if not isinstance(sync, Options):
+        raise TypeError(f"osp: sync must be osp.BSP(), osp.OSP(...), osp.DSync(...) or osp.HSP(...), got {sync!r}")
+    if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+        raise ValueError(f"osp: backward_passes_per_step must be an integer >= 1, got {passes!r}")
+    if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and timeout > 0):
+        raise ValueError(f"osp: timeout must be a positive number of seconds, got {timeout!r}")
+    if on_synced is not None and not callable(on_synced):
+        raise TypeError(f"osp: on_synced must be callable or None, got {on_synced!r}")
+    return sync
 
 
 def names(optimizer: torch.optim.Optimizer, named_parameters) -> Dict[torch.nn.Parameter, str]:

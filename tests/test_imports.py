@@ -1,0 +1,86 @@
+"""The package's import graph has no cycle: each module of python/osp imports only modules below it.
+
+Module-level imports only (``import x``/``from x import y`` at the top level or under ``if``/``try``);
+an import inside a function runs when it is called, not when the module loads, and is the one way to
+reach upwards (e.g. ``osp.__getattr__`` importing ``osp.elastic``)."""
+import ast
+import os
+
+ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python")
+
+
+def _module_imports(path: str, module: str) -> set:
+    tree = ast.parse(open(path).read())
+    package = module if path.endswith("__init__.py") else module.rsplit(".", 1)[0]
+    out = set()
+
+    def visit(nodes):
+        for node in nodes:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+                continue
+            if isinstance(node, ast.Import):
+                out.update(a.name for a in node.names if a.name.startswith("osp"))
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")
+                    base = base[:len(base) - node.level + 1]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                if not target.startswith("osp"):
+                    continue
+                out.add(target)
+                for a in node.names:  # ``from . import ops``: a submodule
+                    out.add(f"{target}.{a.name}")
+            else:
+                visit([c for c in ast.iter_child_nodes(node) if isinstance(c, ast.stmt)])
+    visit(tree.body)
+    return out
+
+
+def _graph() -> dict:
+    mods = {}
+    for dirpath, _, files in os.walk(os.path.join(ROOT, "osp")):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(dirpath, f)
+                rel = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+                mods[rel[:-len(".__init__")] if rel.endswith(".__init__") else rel] = path
+    return {m: {t for t in _module_imports(p, m) if t in mods and t != m} for m, p in mods.items()}
+
+
+def _cycle(graph: dict):
+    state, stack = {}, []
+
+    def dfs(m):
+        state[m] = 1
+        stack.append(m)
+        for t in sorted(graph[m]):
+            if state.get(t) == 1:
+                return stack[stack.index(t):] + [t]
+            if t not in state:
+                found = dfs(t)
+                if found:
+                    return found
+        state[m] = 2
+        stack.pop()
+        return None
+
+    for m in sorted(graph):
+        if m not in state:
+            found = dfs(m)
+            if found:
+                return found
+    return None
+
+
+def test_import_graph_has_no_cycle():
+    graph = {m: {t for t in ts if not (m.startswith(t + ".") or t == "osp")} for m, ts in _graph().items()}
+    # a package's __init__ importing its submodules is not a cycle (they import siblings, not the package)
+    assert len(graph) > 20, sorted(graph)
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+
+
+def test_the_check_finds_a_cycle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None

@@ -1,4 +1,4 @@
-"""Ranks that fail, join and leave (DESIGN.md, "Faults and membership changes"): Horovod Elastic
+"""Ranks that fail, join and leave (docs/design.md, "Faults and membership changes"): Horovod Elastic
 with osp.elastic.State, and torchrun restarts from osp.train's checkpoints. Real launchers, real
 SIGKILLs (``osp.train --fault``), every job bounded in time."""
 import json

@@ -1,5 +1,5 @@
 """The distributed optimizer on real ranks (separate processes, real launchers and collectives):
-invariants I1-I4 of DESIGN.md, BSP against Horovod's optimizer, and every bad input of DESIGN.md."""
+invariants I1-I4 of docs/design.md, BSP against Horovod's optimizer, and every bad input it lists."""
 import glob
 import json
 import math

@@ -1,4 +1,4 @@
-"""LGP: snapshots of what an exact update needs, and the exact re-application (DESIGN.md, "LGP").
+"""LGP: snapshots of what an exact update needs, and the exact re-application (docs/design.md, "LGP").
 
 OSP and DSync move some blocks with this rank's own gradient while their average is in flight. Before
 that provisional update they take a snapshot of those blocks; when the average arrives the corrector

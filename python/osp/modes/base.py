@@ -1,4 +1,4 @@
-"""The interface every synchronization mode implements (DESIGN.md, "Where the code lives").
+"""The interface every synchronization mode implements (docs/design.md, "Where the code lives").
 
 A mode is two classes in one module: its options (``osp.BSP(...)``, ``osp.OSP(...)``, ...), which a
 user passes as ``sync=`` and which validate themselves, and its runtime (a ``Mode``), which the

@@ -1,4 +1,4 @@
-"""DSync(delay=k): delayed synchronization with exact correction (DESIGN.md, "DSync").
+"""DSync(delay=k): delayed synchronization with exact correction (docs/design.md, "DSync").
 
 Step t starts averaging its whole gradient during backward (bucketed from the hooks, as BSP does) and
 moves the parameters with this rank's own gradient. Before the update of step t+k the average of step

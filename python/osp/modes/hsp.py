@@ -1,4 +1,4 @@
-"""HSP: ranks that finish early compute extra micro-batches instead of waiting (DESIGN.md, "HSP").
+"""HSP: ranks that finish early compute extra micro-batches instead of waiting (docs/design.md, "HSP").
 
 ``opt.step(closure)``, after the step's first micro-batch ran backward as usual: this rank posts a tiny
 non-blocking "ready" collective, and while it has not completed (some rank is still computing its first

@@ -1,4 +1,4 @@
-"""OSP: two-stage synchronization with exact local-gradient correction (DESIGN.md, "OSP")."""
+"""OSP: two-stage synchronization with exact local-gradient correction (docs/design.md, "OSP")."""
 from __future__ import annotations
 
 import time

@@ -339,6 +339,15 @@ def _clip_opt_loose(env, t):
     env.step(t)
 
 
+def _clip_opt_sometimes(env, t):
+    """``opt.clip_grad_norm_`` on every other step: a step that does not ask is not clipped."""
+    env.zero_grad()
+    env.backward(t)
+    if t % 2 == 0:
+        env.clip(0.05)
+    env.step(t)
+
+
 def _grad_inplace(env, t):
     env.zero_grad()
     env.backward(t)
@@ -505,6 +514,7 @@ PATTERNS: Dict[str, Pattern] = {p.name: p for p in [
     Pattern("clip-torch", _clip_torch),
     Pattern("clip-opt", _clip_opt),
     Pattern("clip-opt-loose", _clip_opt_loose),
+    Pattern("clip-opt-sometimes", _clip_opt_sometimes),
     Pattern("param-groups-clip-opt", _clip_opt, groups=_two_groups),
     Pattern("grad-inplace", _grad_inplace),
     Pattern("grad-replaced", _grad_replaced),

@@ -439,6 +439,31 @@ def test_wrapping_errors(one_rank):
         osp.OSP(block_size=2**62)
 
 
+@pytest.mark.parametrize("sync", [osp.BSP(), osp.OSP(critical=0.3, block_size=64), osp.DSync(delay=2), osp.HSP()],
+                         ids=repr)
+def test_parameter_frozen_when_wrapped_must_not_train(one_rank, sync):
+    """osp does not synchronize a parameter that was frozen when wrapped: if it trains later, each rank
+    would move it with its own gradient, so the step refuses (frozen again, it is left alone)."""
+    model = tiny_model()
+    name, first = next(iter(model.named_parameters()))
+    first.requires_grad_(False)
+    opt = osp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), sync=sync)
+    first.requires_grad_(True)
+    x, y = torch.randn(8, 12), torch.randint(0, 5, (8,))
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    with pytest.raises(RuntimeError, match=f"parameter {name!r} has a gradient, but it had requires_grad=False when "
+                                           "the optimizer was wrapped"):
+        opt.step()
+    first.requires_grad_(False)
+    first.grad = None
+    before = first.detach().clone()
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    opt.flush()
+    assert torch.equal(first, before)
+
+
 @pytest.mark.parametrize("sync", [osp.BSP(), osp.OSP(critical=0.3, block_size=64)], ids=repr)
 def test_param_groups_changed_after_wrapping_raise(one_rank, sync):
     model, head = tiny_model(), torch.nn.Linear(5, 3)

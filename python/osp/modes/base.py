@@ -10,9 +10,14 @@ the flat groups and the backward hooks, and calls its mode at four points:
   gradients were zeroed or replaced since, so the step's accumulation starts again;
 - ``step(inp)``: ``optimizer.step()``; returns the step's record for ``stats()``;
 - ``flush()``: finish everything in flight and apply exact updates (replicas bitwise equal after);
-- ``state_dict()`` / ``load_state_dict()``: the mode's own part of the checkpoint.
+- ``state_dict()`` / ``load_state_dict()``: the mode's own part of the checkpoint; ``load_state_dict``
+  also follows every replacement of the wrapped optimizer's state (a load, a broadcast, a new world);
+- ``stats()``: the mode's own figures.
 
-The mode knows only the ``Context`` it is handed, never the optimizer object.
+and reads three attributes: ``grad_is_average`` (``.grad`` is the average after backward, as with DDP;
+then the mode also offers ``synchronize()``), ``in_flight`` and ``accepts_closure``. That is the whole
+interface, as small as a DDP communication hook's or torchft's LocalSGD's: the mode knows only the
+``Context`` it is handed, never the optimizer object.
 """
 from __future__ import annotations
 

@@ -146,7 +146,8 @@ def worker(a):
            "step_s": step_s, "samples_per_s": a.batch * comm.size / step_s, "compute_alone_s": compute_alone,
            "extra_compute_s": statistics.mean(extra_s[a.warmup:]) if extra_s else 0.0, "bytes": nparams * 4}
     if isinstance(opt, osp.DistributedOptimizer):
-        full = opt.stats()["history"]
+        stats = opt.stats()
+        full = stats["history"]
         hist = full[a.warmup:]
         for k in ("critical_fraction", "stage1_s", "stage2_wait_s", "compute_s"):
             vals = [h[k] for h in hist if h.get(k) is not None]
@@ -154,8 +155,8 @@ def worker(a):
                 out[k] = statistics.median(vals)
         # every step's critical share, warm-up included: how fast auto settles, and whether it holds
         out["criticals"] = [h.get("critical_fraction") for h in full]
-        if hasattr(opt.mode, "budget"):  # what OSP auto measured and tried
-            out["budget"] = opt.mode.split.budget.state_dict()
+        if "budget" in stats:  # what OSP auto measured and tried
+            out["budget"] = stats["budget"]
         if family == "dsync":
             delays = [h["delay"] for h in hist]
             out.update(delay_median=statistics.median(delays), delay_max=max(delays),

@@ -452,6 +452,9 @@ class OSPMode(Mode):
         self.ctx.on_synced()
         return wait
 
+    def stats(self):
+        return {"budget": self.split.budget.state_dict()}  # what the budget measured and tried
+
     # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self):
         return self.split.state_dict()

@@ -16,9 +16,12 @@ update is exactly the synchronous one. One corrector per optimizer kind:
     corrector.correct([(snap, avg)])               # the exact update of the deferred blocks
     corrector.restore([snap])                      # or: put them back as they were, no update
 
-A snapshot serves one ``correct`` or ``restore``. Besides, ``adopt`` follows every step of the wrapped
-optimizer (the fused kinds keep its state in flat buffers) and ``whole`` says whether a correction must
-redo every parameter's update.
+A snapshot of some blocks (OSP's) serves one ``correct`` or ``restore``; a snapshot of every block
+(DSync's) is carried on by ``correct``: afterwards it holds the state after the exact update, ready for
+the next one on top. ``update`` is the wrapped optimizer's update of whole groups with given gradients
+(DSync's replays of provisional steps), in the fused kernels where there are some. ``adopt`` follows
+every step of the wrapped optimizer (the fused kinds keep its state in flat buffers), and ``whole`` says
+whether a correction must redo every parameter's update.
 """
 from __future__ import annotations
 
@@ -132,7 +135,9 @@ class Generic:
 
     def correct(self, items: List[Tuple[Snapshot, torch.Tensor]]) -> None:
         """The exact update of each snapshot's blocks with its averaged gradient (from the values the
-        snapshot holds); the parameters in its ``absent`` end as the snapshot found them."""
+        snapshot holds); the parameters in its ``absent`` end as the snapshot found them. A snapshot of
+        every block is carried on (it holds the state after the update), unless it had ``absent``
+        parameters: take another then."""
         self._correct_generic(items)
 
     def _correct_generic(self, items) -> None:
@@ -148,6 +153,25 @@ class Generic:
                     if i not in s.absent:
                         set_grad(fg.params[i], fg.view(s.grad, i))
             unhooked_step(self.optimizer)
+        for s, _ in items:
+            if s.numel == s.fg.padded:  # carried on: the state after the update
+                self._keep(s)
+
+    def update(self, items: List[Tuple[FlatGroup, torch.Tensor]], step_hyper: List[dict],
+               absent: Sequence[set] = ()) -> None:
+        """The wrapped optimizer's update of whole flat groups with the gradients ``items``, under the
+        hyper-parameters ``step_hyper`` (one dict per param group); ``absent``: per item, the parameters
+        left alone (no gradient). Update numbers (Adam's) continue from the state's."""
+        absent = list(absent) or [set()] * len(items)
+        with stepping_only(self.optimizer) as set_grad:
+            for g, h in zip(self.optimizer.param_groups, step_hyper):
+                g.update(h)
+            for (fg, grad), skip in zip(items, absent):
+                for i, p in enumerate(fg.params):
+                    if i not in skip:
+                        set_grad(p, fg.view(grad, i))
+            unhooked_step(self.optimizer)
+        self.adopt([fg for fg, _ in items])
 
     def _restore_generic(self, s: "GenericSnapshot") -> None:
         state = self.optimizer.state
@@ -297,7 +321,8 @@ class _Fused(Generic):
                     self.restore([held])
                     continue
                 self._set_count(s.fg, s.step)
-                if not self._correct_into(s, avg):
+                carried = s.numel == s.fg.padded  # computed in its own buffers, which then hold the new state
+                if carried or not self._correct_into(s, avg):
                     self._kernel(s.fg, s.param, avg, s.state, s.hyper, s.step)
                     for key, buf in s.state.items():
                         ops.merge_blocks(None, buf, s.mask, s.fg.block_size, self.flat[id(s.fg)][key],
@@ -306,6 +331,8 @@ class _Fused(Generic):
                                      s.numel // s.fg.block_size)
                 if held is not None:
                     self.restore([held])
+                if carried:
+                    s.step += 1
         self._correct_generic(generic)
         # the generic path may leave new state tensors (a parameter's first update): link them, as the
         # group may take the kernels again next time
@@ -328,6 +355,20 @@ class _Fused(Generic):
             for key, buf in s.state.items():
                 ops.merge_blocks(None, buf, s.mask, bs, self.flat[id(s.fg)][key], s.numel // bs)
 
+    def update(self, items, step_hyper, absent=()):
+        generic, gabsent = [], []
+        for (fg, grad), skip in zip(items, list(absent) or [set()] * len(items)):
+            if skip or not (self.fused_ok(fg) and self.has_state(fg)):  # the kernels update whole groups
+                generic.append((fg, grad))
+                gabsent.append(skip)
+                continue
+            state = {key: self.flat[id(fg)][key] for key in self.state_keys(fg)}
+            step = self._step_count(fg) + 1
+            self._kernel(fg, fg.param, grad, state, step_hyper[fg.group_index], step)
+            self._set_count(fg, step)
+        if generic:
+            super().update(generic, step_hyper, gabsent)
+
     def _set_count(self, fg: FlatGroup, step: float) -> None:
         """A kernel applied update number ``step`` to every parameter of ``fg``: where the optimizer keeps
         that number in its own state (Adam's ``step``), it must say so too, or the steps that follow
@@ -339,7 +380,7 @@ class _Fused(Generic):
         return False
 
     def _kernel(self, fg, param, grad, state, h, step) -> None:
-        """One exact optimizer update of ``param`` (packed) with ``grad``; ``state`` holds
+        """One exact optimizer update of ``param`` (packed, or a whole group) with ``grad``; ``state`` holds
         buffers of the same layout (a None entry: the state starts with this update); they are filled
         in place (a None entry is replaced)."""
         raise NotImplementedError

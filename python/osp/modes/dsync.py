@@ -19,7 +19,7 @@ import torch
 from ..agreement import Agreement, any_rank
 from ..buckets import Buckets
 from ..comm import Handle
-from ..correction import Snapshot, corrector_for, hyper, stepping_only, unhooked_step
+from ..correction import Snapshot, corrector_for, hyper, unhooked_step
 from ..layout import EditProbe, Workspace
 from .base import Context, Mode, Options, StepInput, check_int, check_positive, edited_error
 
@@ -236,8 +236,10 @@ class DSyncMode(Mode):
             for i, (snap, fg) in enumerate(zip(self._snap, ctx.groups)):
                 snap.hyper = s.hyper[fg.group_index]
                 snap.absent = absent[i]  # without a gradient on any rank: kept as before the step
+            # carried on: the snapshot holds the exact state before the next step
             self.corrector.correct(list(zip(self._snap, avgs)))
-            self._take_snapshot()  # the exact state before the next step
+            if any(absent):  # ... but for the parameters kept as they were: take it again
+                self._take_snapshot()
             exact = True
         if not exact:  # the snapshot is still the exact state: put it back
             self.corrector.restore(self._snap)
@@ -246,25 +248,15 @@ class DSyncMode(Mode):
         return skipped
 
     def _replay(self) -> int:
-        """Replay the provisional updates of the steps still in flight, on top of the exact state: the
-        wrapped optimizer's own step with each one's kept local gradient, under that step's
-        hyper-parameters; a parameter without a gradient in that step is left alone, as it was."""
-        n, opt = 0, self.ctx.optimizer
+        """Replay the provisional updates of the steps still in flight, on top of the exact state: each
+        one's kept local gradient, under that step's hyper-parameters; a parameter without a gradient
+        in that step is left alone, as it was."""
+        n = 0
         for s in self._inflight:
-            if not s.finite:
-                continue
-            with stepping_only(opt) as set_grad:
-                for g, h in zip(opt.param_groups, s.hyper):
-                    g.update(h)
-                for fg, skip in zip(self.ctx.groups, s.absent):
-                    local = self._buf(fg, "local", s.local)
-                    for i, p in enumerate(fg.params):
-                        if i not in skip:
-                            set_grad(p, fg.view(local, i))
-                unhooked_step(opt)
-            n += 1
-        if n:
-            self.corrector.adopt(self.ctx.groups)  # state a replayed first update created
+            if s.finite:
+                items = [(fg, self._buf(fg, "local", s.local)) for fg in self.ctx.groups]
+                self.corrector.update(items, s.hyper, s.absent)
+                n += 1
         return n
 
     def flush(self):

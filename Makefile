@@ -27,7 +27,7 @@ stress-exit: install
 	OSP_EXIT_RUNS=200 $(PY) -m pytest -q -s tests/test_exit.py
 
 # The one-rank oracle on 2000 random training loops (hypothesis, a random seed; tests/test_conformance_random.py,
-# about 6 minutes on 2 cores; `make test` runs 40 fixed ones). OSP_HYPOTHESIS_SEED=s replays a failure's seed.
+# about 6 minutes on 2 cores; `make test` runs 150 fixed ones). OSP_HYPOTHESIS_SEED=s replays a failure's seed.
 conformance-random: install
 	OSP_HYPOTHESIS_EXAMPLES=$${OSP_HYPOTHESIS_EXAMPLES:-2000} $(PY) -m pytest -q tests/test_conformance_random.py
 
@@ -74,7 +74,7 @@ bench-stragglers: install
 	$(PY) bench/stragglers.py $(BENCH_ARGS)
 
 # Faults survived: SIGKILLed ranks under Horovod Elastic (3 ranks, 2 kills) and under torchrun restarts
-# (1 kill), each against the same job without faults, 3 seeds (about 3 minutes).
+# (1 kill), each against the same job without faults, 3 seeds (3-4 minutes).
 bench-faults: install
 	$(PY) bench/faults.py
 

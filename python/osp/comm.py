@@ -62,9 +62,10 @@ class Comm(abc.ABC):
             h.done = True
             return h
         h.work = self._start(tensor, name, average)
-        if not self._inflight:
+        inflight = self._handles()
+        if not inflight:
             teardown.busy(self)  # completed at exit if nobody waits for it
-        self._inflight[id(h)] = h
+        inflight[id(h)] = h
         return h
 
     @abc.abstractmethod
@@ -82,19 +83,24 @@ class Comm(abc.ABC):
             self._complete(handle)
             handle.done = True
             handle.work = None  # the engine's work object may hold the process group and its threads
-            self._inflight.pop(id(handle), None)
-            if not self._inflight:
+            inflight = self._handles()
+            inflight.pop(id(handle), None)
+            if not inflight:
                 teardown.idle(self)
         return handle.tensor
 
     def pending(self) -> list:
         """The collectives started here that nobody has waited for yet."""
-        return list(self._inflight.values())
+        return list(self._handles().values())
 
     def forget_pending(self) -> None:
         """The engine was restarted (Horovod Elastic's reset): the collectives in flight are gone with it."""
-        self._inflight.clear()
+        self._handles().clear()
         teardown.idle(self)
+
+    def _handles(self) -> Dict[int, Handle]:
+        # set in __init__; also for a subclass whose __init__ does not call Comm's
+        return self.__dict__.setdefault("_inflight", {})
 
     @abc.abstractmethod
     def poll(self, handle: Handle) -> bool:

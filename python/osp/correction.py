@@ -16,12 +16,12 @@ update is exactly the synchronous one. One corrector per optimizer kind:
     corrector.correct([(snap, avg)])               # the exact update of the deferred blocks
     corrector.restore([snap])                      # or: put them back as they were, no update
 
-A snapshot of some blocks (OSP's) serves one ``correct`` or ``restore``; a snapshot of every block
-(DSync's) is carried on by ``correct``: afterwards it holds the state after the exact update, ready for
-the next one on top. ``update`` is the wrapped optimizer's update of whole groups with given gradients
-(DSync's replays of provisional steps), in the fused kernels where there are some. ``adopt`` follows
-every step of the wrapped optimizer (the fused kinds keep its state in flat buffers), and ``whole`` says
-whether a correction must redo every parameter's update.
+A snapshot serves one ``correct`` or ``restore``, unless it is taken with ``carry`` (DSync's, of every
+block): ``correct`` then carries it on where it can (``carry`` stays set), holding the state after the
+exact update, ready for the next one on top. ``update`` is the wrapped optimizer's update of whole
+groups with given gradients (DSync's replays of provisional steps), in the fused kernels where there
+are some. ``adopt`` follows every step of the wrapped optimizer (the fused kinds keep its state in flat
+buffers), and ``whole`` says whether a correction must redo every parameter's update.
 """
 from __future__ import annotations
 
@@ -73,6 +73,9 @@ class Snapshot:
     #: parameters without a gradient on any rank in the update being corrected: the optimizer skips
     #: them (as torch.optim does), and ``correct`` leaves them as the snapshot found them
     absent: set = field(default_factory=set)
+    #: a snapshot of every block asked to be carried on (DSync's): after ``correct`` it holds the state after
+    #: the update, ready for the next one; ``correct`` clears it where it could not (take a new one then)
+    carry: bool = False
 
 
 @dataclass
@@ -111,8 +114,11 @@ class Generic:
     def adopt(self, groups: Sequence[FlatGroup]) -> None:
         """Called after every step of the wrapped optimizer and after loading its state."""
 
-    def snapshot(self, fg: FlatGroup, mask: torch.Tensor, n_deferred: int, step_hyper: dict) -> Snapshot:
-        s = self._keep(GenericSnapshot(fg=fg, mask=mask, hyper=step_hyper, numel=n_deferred,
+    def snapshot(self, fg: FlatGroup, mask: torch.Tensor, n_deferred: int, step_hyper: dict,
+                 carry: bool = False) -> Snapshot:
+        """Before the update whose blocks outside ``mask`` (``n_deferred`` elements) ``correct`` will redo
+        under ``step_hyper``; ``carry``: of every block, to be carried on (see the module docstring)."""
+        s = self._keep(GenericSnapshot(fg=fg, mask=mask, hyper=step_hyper, numel=n_deferred, carry=carry,
                                        touched=list(range(len(fg.params))) if self.whole
                                        else fg.touched(~mask)))
         s.grad = self.workspace(fg)("snap.grad").copy_(fg.grad)
@@ -135,9 +141,8 @@ class Generic:
 
     def correct(self, items: List[Tuple[Snapshot, torch.Tensor]]) -> None:
         """The exact update of each snapshot's blocks with its averaged gradient (from the values the
-        snapshot holds); the parameters in its ``absent`` end as the snapshot found them. A snapshot of
-        every block is carried on (it holds the state after the update), unless it had ``absent``
-        parameters: take another then."""
+        snapshot holds); the parameters in its ``absent`` end as the snapshot found them. A snapshot taken
+        with ``carry`` then holds the state after the update, or has ``carry`` cleared."""
         self._correct_generic(items)
 
     def _correct_generic(self, items) -> None:
@@ -153,9 +158,8 @@ class Generic:
                     if i not in s.absent:
                         set_grad(fg.params[i], fg.view(s.grad, i))
             unhooked_step(self.optimizer)
-        for s, _ in items:
-            if s.numel == s.fg.padded:  # carried on: the state after the update
-                self._keep(s)
+        for s, _ in items:  # the next snapshot may take the kernels (the state exists now): not carried
+            s.carry = False
 
     def update(self, items: List[Tuple[FlatGroup, torch.Tensor]], step_hyper: List[dict],
                absent: Sequence[set] = ()) -> None:
@@ -275,11 +279,12 @@ class _Fused(Generic):
     def has_state(self, fg: FlatGroup) -> bool:
         return all(self.optimizer.state.get(p) for p in fg.params)
 
-    def snapshot(self, fg, mask, n_deferred, step_hyper):
+    def snapshot(self, fg, mask, n_deferred, step_hyper, carry=False):
         if not self.fused_ok(fg):
-            return super().snapshot(fg, mask, n_deferred, step_hyper)
+            return super().snapshot(fg, mask, n_deferred, step_hyper, carry)
         ws, bs = self.workspace(fg), fg.block_size
-        s = FusedSnapshot(fg=fg, mask=mask, hyper=step_hyper, numel=n_deferred, param=ws("snap.param", n_deferred))
+        s = FusedSnapshot(fg=fg, mask=mask, hyper=step_hyper, numel=n_deferred, carry=carry,
+                          param=ws("snap.param", n_deferred))
         ops.split_blocks(fg.param, mask, bs, None, s.param, n_deferred // bs)
         flat = self.flat.get(id(fg), {}) if self.has_state(fg) else {}
         for key in self.state_keys(fg):
@@ -321,7 +326,7 @@ class _Fused(Generic):
                     self.restore([held])
                     continue
                 self._set_count(s.fg, s.step)
-                carried = s.numel == s.fg.padded  # computed in its own buffers, which then hold the new state
+                carried = s.carry and held is None  # computed in its own buffers, which then hold the new state
                 if carried or not self._correct_into(s, avg):
                     self._kernel(s.fg, s.param, avg, s.state, s.hyper, s.step)
                     for key, buf in s.state.items():
@@ -333,6 +338,8 @@ class _Fused(Generic):
                     self.restore([held])
                 if carried:
                     s.step += 1
+                else:
+                    s.carry = False
         self._correct_generic(generic)
         # the generic path may leave new state tensors (a parameter's first update): link them, as the
         # group may take the kernels again next time

@@ -84,15 +84,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.check_world()
         self.groups, self._outside = parameters.flat_groups(optimizer, names, sync.block_size, self.comm)
         self._group_shape = parameters.group_shape(optimizer)
-        self._acc = Accumulation(self.groups, backward_passes_per_step, mode=None)
         where = {p: (k, i) for k, fg in enumerate(self.groups) for i, p in enumerate(fg.params)}
         self._order = [where[p] for p in names if p in where]  # (flat group, parameter) in the model's order
-        ref = weakref.ref(self)
+        ref = weakref.ref(self)  # the mode must not keep the optimizer (or its accumulation) alive
         self._ctx = Context(optimizer=optimizer, groups=self.groups, comm=self.comm, timeout=self.timeout,
-                            order=self._order, extra_passes=self._acc.extra,
+                            order=self._order, extra_passes=lambda ref=ref: ref()._acc.extra(),
                             on_synced=lambda ref=ref: ref()._synced_now(), prefix=f"osp{self._signature[1]}")
         self.mode: Mode = sync.build(self._ctx)
-        self._acc.reset(self.mode)
+        self._acc = Accumulation(self.groups, backward_passes_per_step, self.mode)  # the hooks, last
         self._log = StepLog()
         self._t_end: Optional[float] = None  # when the last step returned
 

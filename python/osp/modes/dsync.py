@@ -204,8 +204,8 @@ class DSyncMode(Mode):
         return max(1, min(self.options.max_delay, max(self._ages, default=1)))
 
     def _take_snapshot(self) -> None:
-        ctx = self.ctx
-        self._snap = [self.corrector.snapshot(fg, m, fg.padded, {}) for fg, m in zip(ctx.groups, self._none)]
+        self._snap = [self.corrector.snapshot(fg, m, fg.padded, {}, carry=True)
+                      for fg, m in zip(self.ctx.groups, self._none)]
 
     def _apply(self, due: List[_Step]) -> int:
         """Restore the snapshot and apply the exact updates of ``due`` (oldest first); a step whose
@@ -236,9 +236,8 @@ class DSyncMode(Mode):
             for i, (snap, fg) in enumerate(zip(self._snap, ctx.groups)):
                 snap.hyper = s.hyper[fg.group_index]
                 snap.absent = absent[i]  # without a gradient on any rank: kept as before the step
-            # carried on: the snapshot holds the exact state before the next step
             self.corrector.correct(list(zip(self._snap, avgs)))
-            if any(absent):  # ... but for the parameters kept as they were: take it again
+            if not all(snap.carry for snap in self._snap):  # carried on: the exact state before the next step
                 self._take_snapshot()
             exact = True
         if not exact:  # the snapshot is still the exact state: put it back

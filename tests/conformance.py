@@ -324,28 +324,16 @@ def _clip_torch(env, t):
     env.step(t)
 
 
-def _clip_opt(env, t):
-    env.zero_grad()
-    env.backward(t)
-    env.clip(0.05)
-    env.step(t)
-
-
-def _clip_opt_loose(env, t):
-    """A max_norm above the gradient's norm: the factor is capped at 1 (nothing scaled up)."""
-    env.zero_grad()
-    env.backward(t)
-    env.clip(50.0)
-    env.step(t)
-
-
-def _clip_opt_sometimes(env, t):
-    """``opt.clip_grad_norm_`` on every other step: a step that does not ask is not clipped."""
-    env.zero_grad()
-    env.backward(t)
-    if t % 2 == 0:
-        env.clip(0.05)
-    env.step(t)
+def _clip_opt(max_norm: float, every: int = 1):
+    """``opt.clip_grad_norm_(max_norm)`` on every ``every``-th step (a step that does not ask is not
+    clipped); a ``max_norm`` above the gradient's norm caps the factor at 1 (nothing scaled up)."""
+    def pattern(env, t):
+        env.zero_grad()
+        env.backward(t)
+        if t % every == 0:
+            env.clip(max_norm)
+        env.step(t)
+    return pattern
 
 
 def _grad_inplace(env, t):
@@ -512,10 +500,10 @@ PATTERNS: Dict[str, Pattern] = {p.name: p for p in [
     Pattern("accumulate-2", _accumulate, bpps=2),
     Pattern("accumulate-3", _accumulate, bpps=3),
     Pattern("clip-torch", _clip_torch),
-    Pattern("clip-opt", _clip_opt),
-    Pattern("clip-opt-loose", _clip_opt_loose),
-    Pattern("clip-opt-sometimes", _clip_opt_sometimes),
-    Pattern("param-groups-clip-opt", _clip_opt, groups=_two_groups),
+    Pattern("clip-opt", _clip_opt(0.05)),
+    Pattern("clip-opt-loose", _clip_opt(50.0)),
+    Pattern("clip-opt-sometimes", _clip_opt(0.05, every=2)),
+    Pattern("param-groups-clip-opt", _clip_opt(0.05), groups=_two_groups),
     Pattern("grad-inplace", _grad_inplace),
     Pattern("grad-replaced", _grad_replaced),
     Pattern("scaler", _plain, scaler=True),

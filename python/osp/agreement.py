@@ -103,11 +103,13 @@ class Agreement:
         mask_blocks: with a block count, the record carries two checksums of a block mask, and
             ``result()`` raises where the ranks' masks differ.
         presence: one field per parameter: whether this rank has a gradient for it.
+        comm: the communicator it is summed on (default the mode's ``ctx.comm``).
     """
 
     def __init__(self, ctx, name: str, fields: Sequence[str] = (), per_rank: Sequence[str] = (),
-                 mask_blocks: int = 0, presence: bool = True):
+                 mask_blocks: int = 0, presence: bool = True, comm=None):
         self.ctx, self.name = ctx, f"{ctx.prefix}.{name}"
+        self.comm = ctx.comm if comm is None else comm
         self.size, self.rank = ctx.comm.size, ctx.comm.rank
         names = list(fields) + (list(_CHECKSUMS) if mask_blocks else [])
         self.fields: Dict[str, int] = {n: i for i, n in enumerate(names)}
@@ -137,7 +139,7 @@ class Agreement:
             self._own.copy_(buf)
         if self._presence:
             self._fill_presence(buf[self.presence_at:])
-        self.handle = self.ctx.comm.allreduce_sum_async_(buf, self.name)
+        self.handle = self.comm.allreduce_sum_async_(buf, self.name)
         return self.handle
 
     def _fill_presence(self, out: torch.Tensor) -> None:
@@ -152,7 +154,7 @@ class Agreement:
     def result(self, what: str = "allreduce", step: Optional[int] = None) -> Agreed:
         """Wait for the sum (``what`` names it in a timeout) and read it on the host. Raises
         ``RuntimeError`` on every rank when the ranks chose different critical blocks (at ``step``)."""
-        self.ctx.comm.wait(self.handle, self.ctx.timeout, what)
+        self.comm.wait(self.handle, self.ctx.timeout, what)
         out = Agreed(read(self.buf), self)
         if self._checksum is not None:
             own = read(self._own)

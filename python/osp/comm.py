@@ -9,6 +9,7 @@ from a launcher's environment is ``osp.launcher.init_from_env``.
 from __future__ import annotations
 
 import abc
+import datetime
 import os
 import time
 from typing import Any, Dict, Optional
@@ -19,13 +20,13 @@ from . import teardown
 
 
 class Handle:
-    """An in-flight allreduce of ``tensor`` (an average, or a sum); pass it to ``Comm.wait`` /
-    ``Comm.poll``."""
+    """An in-flight allreduce of ``tensor`` (an average, or a sum) named ``name``; pass it to
+    ``Comm.wait`` / ``Comm.poll`` of the communicator that started it."""
 
-    __slots__ = ("tensor", "work", "done", "average")
+    __slots__ = ("tensor", "work", "done", "average", "name")
 
-    def __init__(self, tensor: torch.Tensor, work: Any, average: bool = True):
-        self.tensor, self.work, self.done, self.average = tensor, work, False, average
+    def __init__(self, tensor: torch.Tensor, work: Any, average: bool = True, name: str = ""):
+        self.tensor, self.work, self.done, self.average, self.name = tensor, work, False, average, name
 
 
 class Comm(abc.ABC):
@@ -57,7 +58,7 @@ class Comm(abc.ABC):
         return self._allreduce_async_(tensor, name, False)
 
     def _allreduce_async_(self, tensor: torch.Tensor, name: str, average: bool) -> Handle:
-        h = Handle(tensor, None, average)
+        h = Handle(tensor, None, average, name)
         if tensor.numel() == 0:
             h.done = True
             return h
@@ -74,20 +75,34 @@ class Comm(abc.ABC):
         raise NotImplementedError
 
     @abc.abstractmethod
-    def _complete(self, handle: Handle) -> None:
-        """Block until the engine's work of ``handle`` is done and the average is in its tensor."""
+    def _complete(self, handle: Handle, timeout: Optional[float] = None) -> bool:
+        """Complete the engine's work of ``handle`` with the engine's own wait (the average is then in
+        its tensor, for the work queued after it on a CUDA stream); ``False`` when ``timeout`` (seconds)
+        passed first."""
         raise NotImplementedError
+
+    def late(self, timeout: float) -> "Comm":
+        """A communicator for collectives that complete behind the next step's (OSP's stage 2): one
+        whose collectives an engine that runs a communicator's collectives in issue order (NCCL, one
+        stream per process group) does not queue the next step's first collectives behind. Made once
+        per ``Comm`` (every rank calls it at the same point, as it may be a collective); this one by
+        default, where the engine offers nothing better."""
+        return self
 
     def _finish(self, handle: Handle) -> torch.Tensor:
         if not handle.done:
             self._complete(handle)
+            self._landed(handle)
+        return handle.tensor
+
+    def _landed(self, handle: Handle) -> None:
+        if not handle.done:
             handle.done = True
             handle.work = None  # the engine's work object may hold the process group and its threads
             inflight = self._handles()
             inflight.pop(id(handle), None)
             if not inflight:
                 teardown.idle(self)
-        return handle.tensor
 
     def pending(self) -> list:
         """The collectives started here that nobody has waited for yet."""
@@ -125,16 +140,18 @@ class Comm(abc.ABC):
         forever on a peer that died or stalled."""
         if handle.done:
             return handle.tensor
-        if timeout is not None and not self.done_within(handle, timeout):
+        if not self._complete(handle, timeout):
             raise TimeoutError(
                 f"osp: {what} on rank {self.rank} did not complete within {timeout:g} s; a "
                 "peer may have died or stalled (raise DistributedOptimizer(timeout=...) if "
                 "steps are legitimately this slow)")
-        return self._finish(handle)
+        self._landed(handle)
+        return handle.tensor
 
     def done_within(self, handle: Handle, seconds: float, max_pause: float = 1e-3) -> bool:
         """Poll ``handle`` for up to ``seconds``, sleeping between polls (at most ``max_pause`` s);
-        whether it completed."""
+        whether it completed. Only for a non-blocking test (HSP's "ready"), and for engines without
+        a timed wait (Horovod's)."""
         deadline = time.monotonic() + seconds
         pause = min(2e-5, max_pause)
         while not self.poll(handle):
@@ -181,8 +198,15 @@ class HorovodComm(Comm):
     def _start(self, tensor, name, average):
         return self.hvd.allreduce_async_(tensor, name=name, op=self.hvd.Average if average else self.hvd.Sum)
 
-    def _complete(self, handle):
+    def _complete(self, handle, timeout=None):
+        # Horovod's synchronize() has no timeout: bound it by polling first (its torch ops block the
+        # host in synchronize() in any case, on GPUs too, so polling costs only the pauses' latency).
+        # Horovod has no second communicator of the same ranks (no duplicate process sets); on GPUs
+        # HOROVOD_NUM_NCCL_STREAMS=2 spreads its collectives over two streams instead (docs/design.md)
+        if timeout is not None and not self.done_within(handle, timeout, max_pause=2e-4):
+            return False
         self.hvd.synchronize(handle.work)
+        return True
 
     def poll(self, handle):
         return handle.done or bool(self.hvd.poll(handle.work))
@@ -222,6 +246,7 @@ class TorchComm(Comm):
             raise RuntimeError("osp: backend 'torch' needs torch.distributed.init_process_group() first")
         super().__init__()
         self.dist, self.group = dist, group
+        self._late: Optional["TorchComm"] = None
 
     @property
     def rank(self) -> int:
@@ -234,10 +259,32 @@ class TorchComm(Comm):
     def _start(self, tensor, name, average):
         return self.dist.all_reduce(tensor, group=self.group, async_op=True)
 
-    def _complete(self, handle):
-        handle.work.wait()
+    def _complete(self, handle, timeout=None):
+        if timeout is None or handle.tensor.is_cuda:
+            # NCCL: stream-ordered, the current stream waits for the collective and the host does not
+            # (a wait with a timeout would block the host); the group's own timeout is its watchdog's
+            handle.work.wait()
+        else:
+            try:
+                handle.work.wait(datetime.timedelta(seconds=timeout))
+            except RuntimeError as e:  # Gloo: "Operation timed out!"; the work stays valid
+                if "timed out" not in str(e).lower():
+                    raise
+                return False
         if handle.average:
             handle.tensor.div_(self.size)
+        return True
+
+    def late(self, timeout):
+        """A second process group of the same ranks (made once, a collective of every rank): ProcessGroupNCCL
+        runs one group's collectives in issue order on one stream, so OSP's stage 2 of step t would hold
+        back stage 1 of step t+1 on the default group. Within a subgroup (``group=``), the subgroup."""
+        if self.group is not None:
+            return self
+        if self._late is None:
+            g = self.dist.new_group(timeout=datetime.timedelta(seconds=timeout))
+            self._late = TorchComm(g)
+        return self._late
 
     def poll(self, handle):
         return handle.done or handle.work.is_completed()

@@ -111,11 +111,16 @@ class OSPMode(Mode):
     def __init__(self, options: OSP, ctx: Context):
         super().__init__(options, ctx)
         self.corrector = corrector_for(ctx.optimizer)
+        # stage 2 on a communicator of its own: an engine that runs a communicator's collectives in issue
+        # order (NCCL) must not queue the next step's stage-1 buckets behind this step's stage 2
+        self.comm2 = ctx.comm.late(ctx.timeout)
         dev = ctx.device
         self.nblocks = ctx.nblocks
-        # the side channel: what every rank must agree on before the step's update
+        # the side channel: what every rank must agree on before the step's update. On stage 2's communicator,
+        # which is idle when it starts (the last stage 2 landed): on an in-order engine it would otherwise
+        # queue behind this step's stage-1 buckets, and stage 2 could not start before all of stage 1 ended
         self._side = Agreement(ctx, "side", fields=("nonfinite", "bandwidth_mbps", "edited", "stale", "backward_ms",
-                                                    "iteration_ms"), mask_blocks=self.nblocks)
+                                                    "iteration_ms"), mask_blocks=self.nblocks, comm=self.comm2)
         self._ws: Dict[int, Workspace] = {id(fg): Workspace(fg) for fg in ctx.groups}
         self._none = [torch.zeros(fg.nblocks, dtype=torch.bool, device=dev) for fg in ctx.groups]
         self._probe = EditProbe(ctx.groups)
@@ -267,14 +272,15 @@ class OSPMode(Mode):
         # a sum, divided when it lands: Horovod never fuses it with stage 1's averages (their scale
         # factors differ), which start from the backward hooks while it runs; a fusion would make the
         # reduction order, hence the rounding, depend on timing
-        h2 = {gi: ctx.comm.allreduce_sum_async_(deferreds[gi], f"{ctx.prefix}.s2.{gi}")
+        h2 = {gi: self.comm2.allreduce_sum_async_(deferreds[gi], f"{ctx.prefix}.s2.{gi}")
               for gi in launch2 if deferreds[gi].numel()}
         rec = self._finish_stage1(s1, crits, wait_s)
         rec["bytes_stage2"] = ctx.nbytes - rec["bytes_stage1"] if h2 else 0
         # each rank's own gradient was finite, but the sum of the critical blocks may not be (float16):
         # the averages are identical on every rank, so every rank skips alike; stage 2 is dropped
         if not nonfinite and ctx.any_nonfinite(crits):
-            self.buckets.wait(list(h2.values()), ctx.timeout, "stage-2 allreduce")
+            for h in h2.values():
+                self.comm2.wait(h, ctx.timeout, "stage-2 allreduce")
             nonfinite = True
         if nonfinite:
             rec.update(critical_fraction=0.0, bytes_stage2=0, skipped=True, overflow=True)
@@ -402,7 +408,7 @@ class OSPMode(Mode):
         t0 = time.perf_counter()
         for d in self._pending:
             if d.handle is not None:
-                self.ctx.comm.wait(d.handle, self.ctx.timeout, "stage-2 allreduce")
+                self.comm2.wait(d.handle, self.ctx.timeout, "stage-2 allreduce")
                 d.avg.div_(self.ctx.comm.size)
                 d.handle = None  # landed and divided
         return time.perf_counter() - t0 if self._pending else 0.0

@@ -249,24 +249,53 @@ class OneRankComm(osp.comm.Comm):
         pass
 
 
-@pytest.mark.parametrize("sync", [osp.BSP(), osp.OSP(critical=0.3, block_size=64),
-                                  osp.OSP(critical="auto", warmup=1, block_size=64)], ids=repr)
-@pytest.mark.parametrize("make_opt", [lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
-                                      lambda ps: torch.optim.Adam(ps, lr=0.01)], ids=["sgd", "adam"])
-def test_whole_steps_on_meta(sync, make_opt):
-    """The step's Python path is device-generic: no CPU tensor mixed into device math, no host sync
-    that a device without values refuses (meta runs osp's fake kernels)."""
+class TwoRankMetaComm(OneRankComm):
+    """A world of two whose collectives move nothing (the meta device has no values): the paths that
+    only run with peers (HSP's extras) run on meta too."""
+
+    size = 2
+
+
+_META_MODES = [osp.BSP(), osp.OSP(critical=0.3, block_size=64), osp.OSP(critical="auto", warmup=1, block_size=64),
+               osp.OSP(critical=0.0, block_size=64), osp.DSync(delay=1), osp.DSync(delay=2),
+               osp.DSync(delay="auto", max_delay=2), osp.HSP(max_extra=2)]
+_META_OPTIMIZERS = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+                    "adam": lambda ps: torch.optim.Adam(ps, lr=0.01),
+                    "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=0.01)}  # the generic correction
+
+
+@pytest.mark.parametrize("clip", [False, True], ids=["noclip", "clip"])
+@pytest.mark.parametrize("sync", _META_MODES, ids=repr)
+@pytest.mark.parametrize("oname", sorted(_META_OPTIMIZERS))
+def test_whole_steps_on_meta(sync, oname, clip):
+    """Every mode's step is device-generic: no CPU tensor mixed into device math and no host read that a
+    device without values refuses (meta runs osp's fake kernels), except the documented reads of
+    osp.agreement.read (which reads zeros on meta). HSP runs its extras (world of two, forced)."""
     model = tiny_model().to("meta")
-    opt = osp.DistributedOptimizer(make_opt(model.parameters()), model.named_parameters(), sync=sync,
-                                   backend=OneRankComm())
-    for _ in range(3):
+    comm = TwoRankMetaComm() if isinstance(sync, osp.HSP) else OneRankComm()
+    opt = osp.DistributedOptimizer(_META_OPTIMIZERS[oname](model.parameters()), model.named_parameters(),
+                                   sync=sync, backend=comm)
+    if isinstance(sync, osp.HSP):
+        opt.mode._worth_waiting = lambda *args: False  # no peer to wait for: run the extras
+    x = torch.empty(8, 12, device="meta")
+
+    def closure():
+        loss = model(x).sum()
+        loss.backward()
+        return loss
+
+    for _ in range(4):
         opt.zero_grad()
-        model(torch.empty(8, 12, device="meta")).sum().backward()
-        opt.step()
+        closure()
+        if clip:
+            opt.clip_grad_norm_(1.0)
+        opt.step(closure) if isinstance(sync, osp.HSP) else opt.step()
     opt.flush()
-    assert opt.stats()["steps"] == 3 and all(p.device.type == "meta" for p in model.parameters())
+    assert opt.stats()["steps"] == 4 and all(p.device.type == "meta" for p in model.parameters())
     if isinstance(sync, osp.OSP) and sync.critical != "auto":  # auto measures nothing without values
         assert opt.stats()["history"][-1]["bytes_stage2"] > 0
+    if isinstance(sync, osp.HSP):
+        assert opt.stats()["hsp"]["extras"] == 4 * 2
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

@@ -12,8 +12,8 @@ average: exact for these small integers, and Horovod never fuses a sum with the 
 buffers (a fusion would move their reduction boundaries from run to run).
 
 Posting launches only small fills and copies on the device (no host sync); ``result()`` reads the
-summed buffer once (the step's one sync) and raises if the ranks chose different blocks (e.g. GPUs of
-different generations contracting FMAs differently when scoring).
+summed buffer once (with this rank's checksums, in the same read: one sync) and raises if the ranks
+chose different blocks (e.g. GPUs of different generations contracting FMAs differently when scoring).
 
     OSP:   nonfinite, bandwidth_mbps, edited, stale, backward_ms, iteration_ms, the mask's checksums, presence
     BSP:   presence
@@ -58,8 +58,9 @@ class MaskChecksum:
 class Agreed:
     """The summed record (host values, identical on every rank)."""
 
-    def __init__(self, values: List[float], agreement: "Agreement"):
+    def __init__(self, values: List[float], agreement: "Agreement", extra: Sequence[float] = ()):
         self._v, self._a = values, agreement
+        self.extra = list(extra)  # the values read with it (``result(extra=...)``)
 
     def total(self, name: str) -> float:
         return self._v[self._a.fields[name]]
@@ -73,6 +74,7 @@ class Agreed:
     def per_rank(self, name: str) -> List[float]:
         lo = self._a.per_rank[name]
         return self._v[lo:lo + self._a.size]
+
 
     @property
     def presence(self) -> List[float]:
@@ -116,10 +118,13 @@ class Agreement:
         self.per_rank: Dict[str, int] = {n: len(names) + k * self.size for k, n in enumerate(per_rank)}
         self.presence_at = len(names) + len(per_rank) * self.size
         n = self.presence_at + (ctx.nparams if presence else 0)
-        self.buf = torch.zeros(n, dtype=torch.float32, device=ctx.device)
         self._presence = presence
         self._checksum = MaskChecksum(mask_blocks, ctx.device) if mask_blocks else None
-        self._own = torch.zeros_like(self.buf) if mask_blocks else None  # this rank's checksums, kept
+        # this rank's checksums, kept in the second half of one buffer with the sum: read in one piece
+        self._both = torch.zeros(2 * n if mask_blocks else n, dtype=torch.float32, device=ctx.device)
+        self.buf = self._both[:n]
+        self._own = self._both[n:] if mask_blocks else None
+        self._absent_index = None
         self.handle: Optional[Handle] = None
 
     def post(self, mask: Optional[torch.Tensor] = None, **values) -> Handle:
@@ -142,6 +147,12 @@ class Agreement:
         self.handle = self.comm.allreduce_sum_async_(buf, self.name)
         return self.handle
 
+    def per_rank_on_device(self, name: str) -> torch.Tensor:
+        """Per-rank field ``name`` of the sum as the buffer holds it on the device, once the sum landed (for
+        device math that needs no read)."""
+        lo = self.per_rank[name]
+        return self.buf[lo:lo + self.size]
+
     def _fill_presence(self, out: torch.Tensor) -> None:
         absent, lo = [], 0
         for fg in self.ctx.groups:
@@ -149,15 +160,34 @@ class Agreement:
             lo += len(fg.params)
         out.fill_(1.0)
         if absent:
-            out[torch.tensor(absent, dtype=torch.long)] = 0.0
+            out.index_fill_(0, self._index(tuple(absent)), 0.0)
 
-    def result(self, what: str = "allreduce", step: Optional[int] = None) -> Agreed:
-        """Wait for the sum (``what`` names it in a timeout) and read it on the host. Raises
-        ``RuntimeError`` on every rank when the ranks chose different critical blocks (at ``step``)."""
+    def _index(self, absent: tuple) -> torch.Tensor:
+        """``absent`` as an index on the device, kept while it stays the same (frozen parameters): no copy
+        from the host at every step, and none that waits (pinned memory) when it changes."""
+        if self._absent_index is None or self._absent_index[0] != absent:
+            idx = torch.tensor(absent, dtype=torch.long)
+            if self.buf.is_cuda:
+                idx = idx.pin_memory().to(self.buf.device, non_blocking=True)
+            else:
+                idx = idx.to(self.buf.device)
+            self._absent_index = (absent, idx)
+        return self._absent_index[1]
+
+    def result(self, what: str = "allreduce", step: Optional[int] = None,
+               extra: Sequence[torch.Tensor] = ()) -> Agreed:
+        """Wait for the sum (``what`` names it in a timeout) and read it on the host, with the device
+        scalars ``extra`` (in ``Agreed.extra``) in the same read. Raises ``RuntimeError`` on every rank
+        when the ranks chose different critical blocks (at ``step``)."""
         self.comm.wait(self.handle, self.ctx.timeout, what)
-        out = Agreed(read(self.buf), self)
+        both = self._both
+        if extra:
+            both = torch.cat([both] + [e.reshape(1).to(torch.float32) for e in extra])
+        values = read(both)  # the sum, this rank's checksums and the extras: one read
+        n = self.buf.numel()
+        out = Agreed(values[:n], self, values[self._both.numel():])
         if self._checksum is not None:
-            own = read(self._own)
+            own = values[self.buf.numel():]
             for k in _CHECKSUMS:
                 t, o = out.total(k), own[self.fields[k]]
                 if round(t) != round(o) * self.size:

@@ -43,9 +43,11 @@ def prepare(opt, grad_is_average: bool, inp: StepInput) -> Optional[dict]:
         raise ValueError(f"osp: Attempting to unscale FP16 gradients (parameter {half[0]!r} is float16): "
                          "torch.amp.GradScaler needs float32 parameters (autocast computes in float16); "
                          "keep the parameters float32, or use bfloat16 without a scaler")
-    inp.backward_scale = float(scaler._scale)
+    # device scalars, no host sync: the loss scale as it is now (the scaler's update() changes it in place
+    # later) and its inverse, computed in double as GradScaler does, rounded once where it multiplies
+    inp.backward_scale = scaler._scale.double()
     if opt.grad_scale is not None:  # not unscaled yet
-        inp.unscale = float(1.0 / opt.grad_scale.double())
+        inp.unscale = opt.grad_scale.double().reciprocal()
     else:  # the user's scaler.unscale_(opt) changed them in place since backward
         inp.grads_changed = True
     return state

@@ -115,12 +115,18 @@ class Generic:
         """Called after every step of the wrapped optimizer and after loading its state."""
 
     def snapshot(self, fg: FlatGroup, mask: torch.Tensor, n_deferred: int, step_hyper: dict,
-                 carry: bool = False) -> Snapshot:
+                 carry: bool = False, params: Optional[List[int]] = None) -> Snapshot:
         """Before the update whose blocks outside ``mask`` (``n_deferred`` elements) ``correct`` will redo
-        under ``step_hyper``; ``carry``: of every block, to be carried on (see the module docstring)."""
+        under ``step_hyper``; ``carry``: of every block, to be carried on (see the module docstring).
+        ``params``: the parameters that may have an element outside ``mask``, where the caller knows them
+        on the host (a superset is exact too: a parameter whose blocks were all in ``mask`` is stepped again
+        with the gradient it was stepped with); without it the generic way reads the mask on the host."""
+        if self.whole or n_deferred == fg.padded:
+            touched = list(range(len(fg.params)))
+        else:
+            touched = fg.touched(~mask) if params is None else list(params)
         s = self._keep(GenericSnapshot(fg=fg, mask=mask, hyper=step_hyper, numel=n_deferred, carry=carry,
-                                       touched=list(range(len(fg.params))) if self.whole
-                                       else fg.touched(~mask)))
+                                       touched=touched))
         s.grad = self.workspace(fg)("snap.grad").copy_(fg.grad)
         return s
 
@@ -279,9 +285,9 @@ class _Fused(Generic):
     def has_state(self, fg: FlatGroup) -> bool:
         return all(self.optimizer.state.get(p) for p in fg.params)
 
-    def snapshot(self, fg, mask, n_deferred, step_hyper, carry=False):
+    def snapshot(self, fg, mask, n_deferred, step_hyper, carry=False, params=None):
         if not self.fused_ok(fg):
-            return super().snapshot(fg, mask, n_deferred, step_hyper, carry)
+            return super().snapshot(fg, mask, n_deferred, step_hyper, carry, params)
         ws, bs = self.workspace(fg), fg.block_size
         s = FusedSnapshot(fg=fg, mask=mask, hyper=step_hyper, numel=n_deferred, carry=carry,
                           param=ws("snap.param", n_deferred))
@@ -434,7 +440,15 @@ class FusedAdam(_Fused):
         # the kernel takes one step number for the whole group; in fp16/bf16 torch's Adam rounds after
         # every operation and the kernel once, so there torch's own step corrects (Adam's sensitivity to
         # its second moment grows a last-bit difference into a visible one)
-        return super().fused_ok(fg) and fg.dtype == torch.float32 and len({self._step_of(p) for p in fg.params}) == 1
+        # The step counts must be on the host: Adam(fused=True) keeps them on the parameters' device, and
+        # reading them would sync every step (torch's own fused step corrects there, the generic way)
+        return super().fused_ok(fg) and fg.dtype == torch.float32 and self._steps_on_host(fg) \
+            and len({self._step_of(p) for p in fg.params}) == 1
+
+    def _steps_on_host(self, fg) -> bool:
+        st = self.optimizer.state
+        return all(not torch.is_tensor(st[p].get("step")) or st[p]["step"].device.type == "cpu"
+                   for p in fg.params if st.get(p))
 
     def _step_of(self, p) -> float:
         st = self.optimizer.state.get(p)

@@ -28,8 +28,7 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from .. import ops
-from ..agreement import read
+from .. import agreement, ops
 from ..comm import Comm
 from ..layout import FlatGroup
 
@@ -40,8 +39,10 @@ _CHECK_BLOCK = 1 << 16  # elements per block of the non-finite scan (spreads it 
 class StepInput:
     """What one ``step()`` is asked to do besides the update."""
     compute_s: float  # seconds since the previous step returned
-    unscale: Optional[float] = None  # GradScaler: multiply this rank's gradients by this first
-    backward_scale: Optional[float] = None  # GradScaler: the loss scale the backward ran under
+    #: GradScaler: multiply this rank's gradients by this first (a float64 device scalar: no host sync)
+    unscale: Optional[torch.Tensor] = None
+    #: GradScaler: the loss scale the backward ran under (a float64 device scalar)
+    backward_scale: Optional[torch.Tensor] = None
     max_norm: Optional[float] = None  # clip by the 2-norm of the averaged gradient (clip_grad_norm_)
     passes: int = 1  # backward passes of the step before step() (backward_passes_per_step)
     #: the gradients were changed in place after backward in a way their version counters do not show
@@ -75,9 +76,16 @@ class Context:
         return sum(len(fg.params) for fg in self.groups)
 
     def scale_grads(self, factor, grads: Optional[List[torch.Tensor]] = None) -> None:
-        """Multiply the flat gradients (or ``grads``) by ``factor`` (a number or a device scalar)."""
-        if factor is not None and (torch.is_tensor(factor) or factor != 1.0):
-            for g in ([fg.grad for fg in self.groups] if grads is None else grads):
+        """Multiply the flat gradients (or ``grads``) by ``factor``: a number, or a device scalar (no host
+        sync), which multiplies in the gradients' compute precision as a number does (rounded to float32
+        once, not to a float16 or bfloat16 gradient's dtype first)."""
+        grads = [fg.grad for fg in self.groups] if grads is None else grads
+        if factor is None or not grads:
+            return
+        if torch.is_tensor(factor):
+            torch._foreach_mul_(grads, factor.to(device=grads[0].device, dtype=torch.float32))
+        elif factor != 1.0:
+            for g in grads:
                 g.mul_(factor)
 
     def clip_(self, max_norm: float, grads: Optional[List[torch.Tensor]] = None,
@@ -117,7 +125,7 @@ class Context:
 
     def any_nonfinite(self, grads: Optional[List[torch.Tensor]] = None) -> bool:
         """Whether they do, read on the host (one sync)."""
-        return bool(read(self.nonfinite(grads).reshape(1))[0])
+        return bool(agreement.read(self.nonfinite(grads).reshape(1))[0])
 
 
 class Options(abc.ABC):

@@ -16,6 +16,7 @@ from typing import Deque, Dict, List, Optional
 
 import torch
 
+from .. import agreement
 from ..agreement import Agreement, any_rank
 from ..buckets import Buckets
 from ..comm import Handle
@@ -75,7 +76,7 @@ class _Step:
     hyper: List[dict]  # every param group's hyper-parameters of that step, by value
     finite: bool  # this rank's gradient was finite (else its provisional update was skipped here)
     absent: List[set]  # per flat group, its parameters without a gradient here (the provisional update skips them)
-    unscale: Optional[float] = None  # GradScaler: the average is of gradients scaled by 1 / this
+    unscale: Optional[torch.Tensor] = None  # GradScaler: the average is of gradients scaled by 1 / this
     scaled: int = 0  # ... in its first ``scaled`` buckets (the later ones were unscaled when they started)
     max_norm: Optional[float] = None  # clip the average by its 2-norm
     arrived: Optional[int] = None  # steps after its own that its average was seen complete
@@ -146,7 +147,7 @@ class DSyncMode(Mode):
         ctx.scale_grads(inp.unscale)
         if inp.max_norm is not None:
             ctx.clip_(inp.max_norm, absent=[fg.absent for fg in ctx.groups])
-        finite = not ctx.any_nonfinite()
+        own_nonfinite = ctx.nonfinite()  # read with the first due average's record: one read per step
         self._observe()
         if self.options.delay == "auto":
             self.delay = self._auto_delay()
@@ -159,7 +160,8 @@ class DSyncMode(Mode):
             if s.arrived is None:  # it had to be waited for: a longer delay would have hidden it
                 self._ages.append(self.t - s.index + (1 if time.perf_counter() - t0 > 1e-4 else 0))
         rec["stage2_wait_s"] = time.perf_counter() - t0
-        skipped = self._apply(due) if due else 0
+        skipped, read_with = self._apply(due, own_nonfinite) if due else (0, None)
+        finite = not (read_with[0] if read_with is not None else agreement.read(own_nonfinite.reshape(1))[0])
         # a GradScaler backs off once per step that reports an overflow: one skipped step each
         pending = self._late_overflows + skipped
         rec.update(skipped=skipped, overflow=pending > 0)
@@ -186,7 +188,7 @@ class DSyncMode(Mode):
         self._inflight.append(_Step(index=self.t, slot=slot, local=local, handles=handles, finite=finite,
                                     absent=absent,
                                     hyper=[hyper(g) for g in ctx.optimizer.param_groups],
-                                    unscale=None if inp.backward_scale is None else 1.0 / inp.backward_scale,
+                                    unscale=None if inp.backward_scale is None else inp.backward_scale.reciprocal(),
                                     scaled=scaled,
                                     max_norm=inp.max_norm))
         self.t += 1
@@ -207,14 +209,22 @@ class DSyncMode(Mode):
         self._snap = [self.corrector.snapshot(fg, m, fg.padded, {}, carry=True)
                       for fg, m in zip(self.ctx.groups, self._none)]
 
-    def _apply(self, due: List[_Step]) -> int:
+    def _apply(self, due: List[_Step], extra: Optional[torch.Tensor] = None):
         """Restore the snapshot and apply the exact updates of ``due`` (oldest first); a step whose
-        average is not finite is skipped on every rank. Returns how many were skipped."""
-        ctx, skipped, exact = self.ctx, 0, False
+        average is not finite is skipped on every rank. Returns how many were skipped, and the host value
+        of the device scalar ``extra``, read with the first one's record (None without ``extra``)."""
+        ctx, skipped, exact, extra_value = self.ctx, 0, False, None
         for s in due:
             self._inflight.popleft()
             avgs = [self._buf(fg, "avg", s.slot) for fg in ctx.groups]
-            total = self._agree[s.slot].result("delayed gradient allreduce")
+            if s.unscale is not None:
+                ctx.scale_grads(s.unscale, [self._buf(fg, "avg", s.slot)[lo:hi]
+                                            for fg, lo, hi, _ in self.buckets.buckets[:s.scaled]])
+            # the record, whether the average is finite (and ``extra``): one read
+            extras = [ctx.nonfinite(avgs)] + ([extra] if extra is not None and extra_value is None else [])
+            total = self._agree[s.slot].result("delayed gradient allreduce", extra=extras)
+            if len(total.extra) > 1:
+                extra_value = total.extra[1]
             if total.any("grads_edited"):
                 raise RuntimeError(
                     f"osp: under DSync the gradients were changed in place or replaced between backward() and "
@@ -224,10 +234,7 @@ class DSyncMode(Mode):
                     "norm of the average), scale the loss instead of the gradients, or use osp.OSP() / osp.BSP()")
             if total.any("params_edited"):
                 raise edited_error("DSync")
-            if s.unscale is not None:
-                for fg, lo, hi, _ in self.buckets.buckets[:s.scaled]:
-                    self._buf(fg, "avg", s.slot)[lo:hi].mul_(s.unscale)
-            if ctx.any_nonfinite(avgs):
+            if total.extra[0] > 0:
                 skipped += 1
                 continue
             absent = total.absent()
@@ -244,7 +251,7 @@ class DSyncMode(Mode):
             self.corrector.restore(self._snap)
         if self.options.delay != "auto":  # every rank is at this point of the same step
             ctx.on_synced()
-        return skipped
+        return skipped, (None if extra_value is None else [extra_value])
 
     def _replay(self) -> int:
         """Replay the provisional updates of the steps still in flight, on top of the exact state: each
@@ -266,7 +273,7 @@ class DSyncMode(Mode):
             due = list(self._inflight)
             for s in due:
                 self.buckets.wait(s.handles, self.ctx.timeout, "delayed gradient allreduce")
-            skipped = self._apply(due)
+            skipped, _ = self._apply(due)
             self._late_overflows += skipped  # a GradScaler hears of them at the next steps
             self._snap = None
             if any_rank(self.ctx, edited, "dsync.edited"):

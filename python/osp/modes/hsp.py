@@ -90,7 +90,13 @@ class HSPMode(Mode):
             comm.wait(h, ctx.timeout, "HSP gradient allreduce")
         t2 = time.perf_counter()
         self._t_synced = t2
-        agreed = self._meta.result("HSP gradient allreduce")
+        # the mean per pass at BSP's scale, unscaled for a GradScaler, in one pass over the gradients. The
+        # factor is computed on the device from the summed counts (in double, as a number would be), so the
+        # step reads the host once: the sum's record with the scaled gradients' non-finite flag
+        total = self._meta.per_rank_on_device("passes").double().sum()
+        factor = torch.full_like(total, float(inp.passes)).div_(total)
+        ctx.scale_grads(factor if inp.unscale is None else factor.mul_(inp.unscale.to(factor.device)))
+        agreed = self._meta.result("HSP gradient allreduce", extra=[ctx.nonfinite()])
         counts = [int(round(c)) for c in agreed.per_rank("passes")]
         failed = [r for r, f in enumerate(agreed.per_rank("failed")) if f > 0]
         if failure is not None:
@@ -112,12 +118,10 @@ class HSPMode(Mode):
         rec = {"critical_fraction": 1.0, "bytes_stage1": ctx.nbytes, "bytes_stage2": 0, "stage1_s": t2 - t1,
                "stage2_wait_s": 0.0, "micro_batches": counts, "extras": extras, "wait_s": wait_s, "loss": loss}
         # the sum over ranks is identical everywhere, so every rank scales, checks and steps alike
-        # the mean per pass at BSP's scale, unscaled for a GradScaler: one pass over the gradients
-        ctx.scale_grads(inp.passes / sum(counts) * (inp.unscale if inp.unscale is not None else 1.0))
         absent = agreed.absent()
         for fg, a in zip(ctx.groups, absent):
             fg.set_grads(a)
-        if ctx.any_nonfinite():
+        if agreed.extra[0] > 0:
             rec.update(skipped=True, overflow=True)
             return rec
         if inp.max_norm is not None:

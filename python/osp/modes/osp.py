@@ -142,6 +142,9 @@ class OSPMode(Mode):
         self._bw_sample = 0.0  # this rank's bandwidth sample of the last step, for the next side channel
         # per bucket, its parameters' gradient aliases: to tell whether one changed after packing
         self._views = [[fg.grad_views[fg.index[id(p)]] for p in ps] for fg, _, _, ps in self.buckets.buckets]
+        # per bucket, its parameters with an element in its blocks (a block may reach into the next bucket's)
+        self._bucket_params = [[i for i, (s0, s1) in enumerate(ctx.groups[gi].block_span) if s0 < b1 and s1 >= b0]
+                               for gi, b0, b1 in self.split.geo]
         # every block critical for good (critical=1.0, or "auto" settled there): BSP's own machinery
         self._bsp: Optional[BSPMode] = None
         self._follow_budget()
@@ -370,12 +373,23 @@ class OSPMode(Mode):
                 snap = self.corrector.snapshot(fg, self._none[gi], fg.padded, hyper(group))
                 full = self._ws[id(fg)]("full").copy_(fg.grad)
             else:
-                snap, full = self.corrector.snapshot(fg, mask, deferreds[gi].numel(), hyper(group)), None
+                snap = self.corrector.snapshot(fg, mask, deferreds[gi].numel(), hyper(group),
+                                               params=self._deferred_params(gi, plan))
+                full = None
             self._pending.append(_Deferred(snap=snap, lo=self.split.group_lo[gi], handle=h2.get(gi),
                                            avg=deferreds[gi], mask=mask, absent=absent[gi], full=full,
                                            ndeferred=fg.nblocks - plan.ncrit[gi]))
         if launch2:
             self._cur ^= 1  # the next backward packs into the other stage-2 buffer
+
+    def _deferred_params(self, gi: int, plan: Plan) -> List[int]:
+        """Flat group ``gi``'s parameters with an element in a block ``plan`` defers, known on the host from
+        its counts per bucket (a superset: the buckets' parameters), so no correction reads the mask."""
+        out = set()
+        for b, (g, b0, b1) in enumerate(self.split.geo):
+            if g == gi and plan.counts[b] < b1 - b0:
+                out.update(self._bucket_params[b])
+        return sorted(out)
 
     def _bsp_step(self, inp: StepInput) -> dict:
         """A step handed to BSP; the last stage 2 (from before the handover) is finished first."""

@@ -1,13 +1,16 @@
 // Torch op registration for osp: the schemas, and the CPU implementations (input checks from
 // checks.h, then the CPU kernels). The CUDA implementations register themselves in
-// cuda/bindings_cuda.cpp, built only with CUDA.
+// cuda/bindings_cuda.cpp, built only with CUDA. launch_shape / launch_items / launch_cover expose the
+// CUDA kernels' launch arithmetic (launch.h) on any build, for tests without a GPU.
 #include <Python.h>
 #include <torch/library.h>
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "checks.h"
+#include "launch.h"
 #include "ops.h"
 
 extern "C" {
@@ -41,10 +44,25 @@ int64_t validate_ids_cpu(const at::Tensor& ids, const at::Tensor& flat, int64_t 
 std::pair<int64_t, int64_t> side_lengths(const at::Tensor& m8, int64_t n, int64_t bs) {
   const int64_t nb = num_blocks(n, bs);
   if (nb == 0) return {0, 0};
-  const int64_t sel = m8.sum().item<int64_t>();
-  const bool last_sel = m8[nb - 1].item<uint8_t>() != 0;
-  const int64_t short_by = nb * bs - n;
-  return {sel * bs - (last_sel ? short_by : 0), (nb - sel) * bs - (last_sel ? 0 : short_by)};
+  const uint8_t* m = m8.data_ptr<uint8_t>();
+  int64_t sel = 0;
+  for (int64_t b = 0; b < nb; ++b) sel += m[b] != 0;
+  const bool last_sel = m[nb - 1] != 0;
+  return {packed_length(sel, nb, bs, n, last_sel), packed_length(nb - sel, nb, bs, n, !last_sel)};
+}
+
+// The CPU kernels find the blocks' places themselves; given positions must still be what the CUDA
+// kernels would read (pos[b] - pos[0] selected blocks before b), so a caller's slicing bug shows here.
+void check_positions_cpu(const c10::optional<at::Tensor>& positions, const at::Tensor& m8) {
+  if (!positions || m8.numel() == 0) return;
+  const int64_t* p = positions->data_ptr<int64_t>();
+  const uint8_t* m = m8.data_ptr<uint8_t>();
+  int64_t sel = 0;
+  for (int64_t b = 0; b < m8.numel(); ++b) {
+    TORCH_CHECK(p[b] - p[0] == sel, "osp: positions do not match the mask: ", sel, " blocks are selected before "
+                "block ", b, ", positions say ", p[b] - p[0], " (pass ops.mask_positions(mask), sliced like the mask)");
+    sel += m[b] != 0;
+  }
 }
 
 std::tuple<at::Tensor, at::Tensor> score_blocks_cpu(const at::Tensor& grad,
@@ -62,6 +80,7 @@ std::tuple<at::Tensor, at::Tensor> score_blocks_cpu(const at::Tensor& grad,
 
 void pack_blocks_cpu(const at::Tensor& flat, const at::Tensor& ids, int64_t bs, const at::Tensor& out) {
   const DType dt = check_flat(flat, bs);
+  check_like(out, "out", flat, "flat", -1);
   const int64_t len = validate_ids_cpu(ids, flat, bs);
   check_packed(flat, out, "out", len, /*into_flat=*/false);
   if (len > 0)
@@ -72,6 +91,7 @@ void pack_blocks_cpu(const at::Tensor& flat, const at::Tensor& ids, int64_t bs, 
 void unpack_blocks_cpu(const at::Tensor& buf, const at::Tensor& ids, int64_t bs, const at::Tensor& flat,
                        bool accumulate) {
   const DType dt = check_flat(flat, bs);
+  check_like(buf, "buf", flat, "flat", -1);
   const int64_t len = validate_ids_cpu(ids, flat, bs);
   check_packed(flat, buf, "buf", len, /*into_flat=*/true);
   if (len > 0)
@@ -80,16 +100,20 @@ void unpack_blocks_cpu(const at::Tensor& buf, const at::Tensor& ids, int64_t bs,
 }
 
 void split_blocks_cpu(const at::Tensor& flat, const at::Tensor& mask, int64_t bs,
-                      const c10::optional<at::Tensor>& crit, const c10::optional<at::Tensor>& def) {
-  const auto m8 = check_split(flat, mask, bs, crit, def, /*into_flat=*/false, side_lengths);
+                      const c10::optional<at::Tensor>& crit, const c10::optional<at::Tensor>& def,
+                      const c10::optional<at::Tensor>& positions) {
+  const auto m8 = check_split(flat, mask, bs, crit, def, positions, /*into_flat=*/false, side_lengths);
+  check_positions_cpu(positions, m8);
   if (flat.numel() > 0)
     cpu::split_blocks(to_dtype(flat, "flat"), flat.data_ptr(), flat.numel(), m8.data_ptr<uint8_t>(), bs,
                       data_or_null(crit), data_or_null(def));
 }
 
 void merge_blocks_cpu(const c10::optional<at::Tensor>& crit, const c10::optional<at::Tensor>& def,
-                      const at::Tensor& mask, int64_t bs, const at::Tensor& flat) {
-  const auto m8 = check_split(flat, mask, bs, crit, def, /*into_flat=*/true, side_lengths);
+                      const at::Tensor& mask, int64_t bs, const at::Tensor& flat,
+                      const c10::optional<at::Tensor>& positions) {
+  const auto m8 = check_split(flat, mask, bs, crit, def, positions, /*into_flat=*/true, side_lengths);
+  check_positions_cpu(positions, m8);
   if (flat.numel() > 0)
     cpu::merge_blocks(to_dtype(flat, "flat"), data_or_null(crit), data_or_null(def), m8.data_ptr<uint8_t>(),
                       flat.numel(), bs, flat.data_ptr());
@@ -107,9 +131,11 @@ void sgd_step_cpu(const at::Tensor& param, const at::Tensor& grad,
 void sgd_step_into_cpu(const at::Tensor& param, const c10::optional<at::Tensor>& momentum_buffer,
                        const at::Tensor& snap_param, const c10::optional<at::Tensor>& snap_momentum,
                        const at::Tensor& grad, const at::Tensor& mask, int64_t bs, double lr, double momentum,
-                       double dampening, double weight_decay, bool nesterov, bool maximize, bool first) {
+                       double dampening, double weight_decay, bool nesterov, bool maximize, bool first,
+                       const c10::optional<at::Tensor>& positions) {
   const auto m8 = check_sgd_into(param, momentum_buffer, snap_param, snap_momentum, grad, mask, bs, momentum,
-                                 first, side_lengths);
+                                 first, positions, side_lengths);
+  check_positions_cpu(positions, m8);
   const SgdHyper h{lr, momentum, dampening, weight_decay, nesterov, maximize, first};
   if (param.numel() > 0)
     cpu::sgd_step_into(to_dtype(param, "param"), param.data_ptr(), momentum != 0.0 ? momentum_buffer->data_ptr()
@@ -128,17 +154,84 @@ void adam_step_cpu(const at::Tensor& param, const at::Tensor& grad, const at::Te
                    exp_avg_sq.data_ptr(), mx, param.numel(), h);
 }
 
+// [rows, span, chunk, chunks, items, ctas, grid, group, per_cta] of score_plan's pass 1 (the shape of
+// every block kernel), the workspace, then the same nine of pass 2 (zeros for one pass).
+std::vector<int64_t> launch_shape(int64_t n, int64_t bs) {
+  TORCH_CHECK(n >= 0, "osp: launch_shape needs n >= 0, got ", n);
+  check_block_size(bs);
+  const launch::ScorePlan p = launch::score_plan(n, bs);
+  std::vector<int64_t> out;
+  for (const launch::Shape* s : {&p.pass1, &p.pass2}) {
+    out.insert(out.end(), {s->rows, s->span, s->chunk, s->chunks, s->items, s->ctas, s->grid, s->group, s->per_cta});
+    if (s == &p.pass1) out.push_back(p.workspace);
+  }
+  return out;
+}
+
+// Items [first, first + count) of the block kernels as [block, chunk, begin, end): the flat elements
+// the item covers (begin == end for a chunk past a short block's end).
+at::Tensor launch_items(int64_t n, int64_t bs, int64_t first, int64_t count) {
+  TORCH_CHECK(n >= 0 && first >= 0 && count >= 0, "osp: launch_items needs n, first, count >= 0");
+  check_block_size(bs);
+  const launch::Shape s = launch::shape(n, bs);
+  const int64_t lo = std::min(first, s.items), hi = std::min(s.items, lo + std::min(count, s.items - lo));
+  auto out = at::empty({hi - lo, 4}, at::kLong);
+  int64_t* o = out.data_ptr<int64_t>();
+  for (int64_t q = lo; q < hi; ++q, o += 4) {
+    const launch::Item it = launch::item_at(s, q);
+    const int64_t len = launch::block_len(it.row, n, bs), start = it.row * bs;
+    o[0] = it.row;
+    o[1] = it.chunk;
+    o[2] = start + std::min(it.lo, len);
+    o[3] = start + std::max(std::min(it.lo, len), launch::item_end(s, it, len));
+  }
+  return out;
+}
+
+// How often the kernels' loops (every CTA of the grid striding over the CTAs' work, every thread's
+// slot and lane) visit each element: of the flat tensor (pass 1, the shape of every block kernel),
+// or with reduce of score_blocks' workspace (pass 2; empty for one pass). Small sizes only.
+at::Tensor launch_cover(int64_t n, int64_t bs, bool reduce) {
+  TORCH_CHECK(n >= 0 && n <= (int64_t(1) << 24), "osp: launch_cover simulates every thread: n must be in [0, 2**24], got ", n);
+  check_block_size(bs);
+  const launch::ScorePlan p = launch::score_plan(n, bs);
+  const launch::Shape& s = reduce ? p.pass2 : p.pass1;
+  const int64_t size = reduce ? p.workspace : n, per_row = p.pass1.chunks;
+  auto hits = at::zeros({size}, at::kInt);
+  int32_t* h = hits.data_ptr<int32_t>();
+  for (int64_t cta0 = 0; cta0 < s.grid; ++cta0)
+    for (int64_t cta = cta0; cta < s.ctas; cta += s.grid)
+      for (int t = 0; t < launch::kThreads; ++t) {
+        const int slot = t / s.group, lane = t & (s.group - 1);
+        const int64_t q = launch::item_index(s, cta, slot);
+        if (q >= s.items) continue;
+        const launch::Item it = launch::item_at(s, q);
+        const int64_t start = reduce ? it.row * per_row : it.row * bs;
+        const int64_t len = reduce ? per_row : launch::block_len(it.row, n, bs);
+        for (int64_t i = it.lo + lane; i < launch::item_end(s, it, len); i += s.group) {
+          TORCH_CHECK(start + i >= 0 && start + i < size, "osp: launch_cover: item ", q, " reaches element ",
+                      start + i, " of ", size);
+          ++h[start + i];
+        }
+      }
+  return hits;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(osp, m) {
   m.def("score_blocks(Tensor grad, Tensor? param, int block_size, int metric, float eps) -> (Tensor, Tensor)");
   m.def("pack_blocks(Tensor flat, Tensor block_ids, int block_size, Tensor(a!) out) -> ()");
   m.def("unpack_blocks(Tensor buf, Tensor block_ids, int block_size, Tensor(a!) flat, bool accumulate=False) -> ()");
-  m.def("split_blocks(Tensor flat, Tensor mask, int block_size, Tensor(a!)? critical, Tensor(b!)? deferred) -> ()");
-  m.def("merge_blocks(Tensor? critical, Tensor? deferred, Tensor mask, int block_size, Tensor(a!) flat) -> ()");
+  m.def("split_blocks(Tensor flat, Tensor mask, int block_size, Tensor(a!)? critical, Tensor(b!)? deferred, Tensor? positions=None) -> ()");
+  m.def("merge_blocks(Tensor? critical, Tensor? deferred, Tensor mask, int block_size, Tensor(a!) flat, Tensor? positions=None) -> ()");
   m.def("sgd_step_(Tensor(a!) param, Tensor grad, Tensor(b!)? momentum_buffer, float lr, float momentum, float dampening, float weight_decay, bool nesterov, bool maximize, bool first) -> ()");
-  m.def("sgd_step_into_(Tensor(a!) param, Tensor(b!)? momentum_buffer, Tensor snap_param, Tensor? snap_momentum, Tensor grad, Tensor mask, int block_size, float lr, float momentum, float dampening, float weight_decay, bool nesterov, bool maximize, bool first) -> ()");
+  m.def("sgd_step_into_(Tensor(a!) param, Tensor(b!)? momentum_buffer, Tensor snap_param, Tensor? snap_momentum, Tensor grad, Tensor mask, int block_size, float lr, float momentum, float dampening, float weight_decay, bool nesterov, bool maximize, bool first, Tensor? positions=None) -> ()");
   m.def("adam_step_(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, Tensor(d!)? max_exp_avg_sq, float step, float lr, float beta1, float beta2, float eps, float weight_decay, bool amsgrad, bool maximize, bool decoupled) -> ()");
+  // no tensor arguments: one kernel for every backend
+  m.def("launch_shape(int n, int block_size) -> int[]", &launch_shape);
+  m.def("launch_items(int n, int block_size, int first, int count) -> Tensor", &launch_items);
+  m.def("launch_cover(int n, int block_size, bool reduce=False) -> Tensor", &launch_cover);
 }
 
 TORCH_LIBRARY_IMPL(osp, CPU, m) {

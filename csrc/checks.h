@@ -43,6 +43,14 @@ inline void check_like(const at::Tensor& other, const char* oname, const at::Ten
               " elements, got ", other.numel());
 }
 
+// An optional argument that this call does not read must still be on ref's device: a stray CUDA
+// tensor would send a CPU call to the CUDA kernels (or the reverse) and fail there without a name.
+inline void check_device(const c10::optional<at::Tensor>& t, const char* name, const at::Tensor& ref,
+                         const char* rname) {
+  TORCH_CHECK(!t || t->device() == ref.device(), "osp: ", name, " must be on ", ref.device(), " like ", rname,
+              ", got ", t->device());
+}
+
 // An output must not share memory with an input: the kernels read and write in parallel.
 inline void check_no_overlap(const at::Tensor& out, const char* oname, const at::Tensor& in,
                              const char* iname) {
@@ -63,6 +71,7 @@ inline std::pair<DType, const void*> check_score(const at::Tensor& grad,
   check_block_size(bs);
   TORCH_CHECK(metric >= 0 && metric <= 3,
               "osp: metric must be 0 (l2), 1 (l1), 2 (max) or 3 (relative), got ", metric);
+  check_device(param, "param", grad, "grad");
   if (static_cast<Metric>(metric) != Metric::Relative) return {dt, nullptr};
   TORCH_CHECK(param.has_value(), "osp: metric 'relative' needs the flat parameter, got None");
   check_like(*param, "param", grad, "grad", grad.numel());
@@ -99,9 +108,10 @@ inline void check_packed(const at::Tensor& flat, const at::Tensor& buf, const ch
   else check_no_overlap(buf, bname, flat, "flat");
 }
 
-// The packed length of nids whole blocks, one of them the short last block when has_last.
+// The packed length of nids whole blocks, one of them the short last block when has_last (no nb * bs,
+// which wraps for a huge bs).
 inline int64_t packed_length(int64_t nids, int64_t nb, int64_t bs, int64_t n, bool has_last) {
-  return nids * bs - (has_last ? nb * bs - n : 0);
+  return has_last ? (nids - 1) * bs + (n - (nb - 1) * bs) : nids * bs;
 }
 
 inline at::Tensor as_mask(const at::Tensor& mask, const at::Tensor& flat, int64_t bs) {
@@ -113,20 +123,38 @@ inline at::Tensor as_mask(const at::Tensor& mask, const at::Tensor& flat, int64_
               mask.numel());
   TORCH_CHECK(mask.device() == flat.device(), "osp: mask must be on ", flat.device(), ", got ",
               mask.device());
-  // any nonzero byte selects its block: normalise to 0/1, which the offsets (prefix sums) count
-  return mask.scalar_type() == at::kBool ? mask.view(at::kByte) : mask.ne(0).view(at::kByte);
+  // read as bytes without a conversion kernel: any nonzero byte selects its block (the kernels test
+  // mask[b] != 0; whoever counts the selected blocks counts the nonzero ones)
+  return mask.scalar_type() == at::kBool ? mask.view(at::kByte) : mask;
 }
 
-// split/merge: the flat tensor, mask (as 0/1 bytes) and the two packed buffers. `lens` are their
-// expected lengths, or -1 where the caller takes the buffers' own lengths as given.
+// split/merge/sgd_step_into: the optional positions, an int64 exclusive prefix sum of the mask
+// (ops.mask_positions), or the slice of one matching a sliced mask: one entry per block, on flat's
+// device. Returns its data, or nullptr when not given. Its values are the caller's to get right
+// (the CPU checks them against the mask; the CUDA kernels skip a block whose position is impossible).
+inline const int64_t* check_positions(const c10::optional<at::Tensor>& pos, const at::Tensor& mask,
+                                      const at::Tensor& flat, const char* fname) {
+  if (!pos) return nullptr;
+  check_dense(*pos, "positions");
+  TORCH_CHECK(pos->scalar_type() == at::kLong, "osp: positions must be int64, got ", pos->scalar_type());
+  TORCH_CHECK(pos->dim() == 1 && pos->numel() == mask.numel(), "osp: positions must have one entry per block "
+              "like the mask (", mask.numel(), "), got sizes ", pos->sizes());
+  TORCH_CHECK(pos->device() == flat.device(), "osp: positions must be on ", flat.device(), " like ", fname,
+              ", got ", pos->device());
+  return pos->data_ptr<int64_t>();
+}
+
+// split/merge: the flat tensor, mask (returned as bytes, see as_mask), positions and the two packed
+// buffers. `lens` are their expected lengths, or -1 where the caller takes the buffers' own lengths.
 inline at::Tensor check_split(const at::Tensor& flat, const at::Tensor& mask, int64_t bs,
                               const c10::optional<at::Tensor>& crit, const c10::optional<at::Tensor>& def,
-                              bool into_flat, std::pair<int64_t, int64_t> (*lengths)(const at::Tensor&,
-                                                                                     int64_t, int64_t)) {
+                              const c10::optional<at::Tensor>& positions, bool into_flat,
+                              std::pair<int64_t, int64_t> (*lengths)(const at::Tensor&, int64_t, int64_t)) {
   check_dense(flat, "flat");
   to_dtype(flat, "flat");
   check_block_size(bs);
   auto m8 = as_mask(mask, flat, bs);
+  check_positions(positions, m8, flat, "flat");
   const auto lens = lengths(m8, flat.numel(), bs);
   if (crit) {
     check_like(*crit, "critical", flat, "flat", lens.first);
@@ -152,6 +180,7 @@ inline void* check_sgd(const at::Tensor& param, const at::Tensor& grad,
   check_dense(param, "param");
   to_dtype(param, "param");
   check_like(grad, "grad", param, "param", param.numel());
+  check_device(momentum_buffer, "momentum_buffer", param, "param");
   TORCH_CHECK(momentum == 0.0 || momentum_buffer.has_value(),
               "osp: sgd_step with momentum ", momentum, " needs a momentum_buffer, got None");
   if (momentum == 0.0) return nullptr;
@@ -159,17 +188,20 @@ inline void* check_sgd(const at::Tensor& param, const at::Tensor& grad,
   return momentum_buffer->data_ptr();
 }
 
-// sgd_step_into_: the mask (as 0/1 bytes) and the packed inputs; `lengths` gives the deferred blocks'
-// packed length (-1: unchecked here, as on a GPU, where the kernel bounds its reads instead).
+// sgd_step_into_: the mask (returned as bytes), positions and the packed inputs; `lengths` gives the
+// deferred blocks' packed length (-1: unchecked here, as on a GPU, where the kernel bounds its reads).
 inline at::Tensor check_sgd_into(const at::Tensor& param, const c10::optional<at::Tensor>& momentum_buffer,
                                  const at::Tensor& snap_param, const c10::optional<at::Tensor>& snap_momentum,
                                  const at::Tensor& grad, const at::Tensor& mask, int64_t bs, double momentum,
-                                 bool first,
+                                 bool first, const c10::optional<at::Tensor>& positions,
                                  std::pair<int64_t, int64_t> (*lengths)(const at::Tensor&, int64_t, int64_t)) {
   check_dense(param, "param");
   to_dtype(param, "param");
   check_block_size(bs);
+  check_device(momentum_buffer, "momentum_buffer", param, "param");
+  check_device(snap_momentum, "snap_momentum", param, "param");
   auto m8 = as_mask(mask, param, bs);
+  check_positions(positions, m8, param, "param");
   const int64_t len = lengths(m8, param.numel(), bs).second;
   check_like(snap_param, "snap_param", param, "param", len);
   check_no_overlap(param, "param", snap_param, "snap_param");
@@ -198,6 +230,7 @@ inline void* check_adam(const at::Tensor& param, const at::Tensor& grad, const a
   check_like(grad, "grad", param, "param", n);
   check_like(exp_avg, "exp_avg", param, "param", n);
   check_like(exp_avg_sq, "exp_avg_sq", param, "param", n);
+  check_device(max_exp_avg_sq, "max_exp_avg_sq", param, "param");
   TORCH_CHECK(step >= 1.0, "osp: adam_step needs the step count after this step's increment (>= 1), got ",
               step);
   if (!amsgrad) return nullptr;

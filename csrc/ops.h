@@ -66,18 +66,29 @@ void sgd_step_into(DType dt, void* param, void* momentum_buf, const void* snap_p
 namespace cuda {
 // The same contracts on device pointers, launched on `stream` (a cudaStream_t). Every launch is
 // checked; a failure throws std::runtime_error with CUDA's message. `nonfinite` and `scores` are
-// device pointers. For pack/unpack, short_pos is the position in ids of the short last block (or -1).
-// For split/merge, pos[b] is the number of selected blocks before b (mask cumsum, exclusive) and
-// crit_n / def_n the lengths of the two buffers (writes past them are dropped, never made).
+// device pointers. The block kernels run over the launch shape of launch.h: a grid over (block, chunk)
+// items from the host's block count (num_blocks), so one huge block spreads over many CTAs and small
+// blocks share a CTA, a thread group each. For pack/unpack, short_pos is the position in ids of the
+// short last block (or -1). For split/merge/sgd_step_into, pos is an exclusive prefix sum of a mask
+// (int64), possibly a slice of a longer one: the blocks selected before b are pos[b] - pos[0] (read on
+// the device); crit_n / def_n / packed_n are the buffers' lengths (a block reaching past one, or with
+// an impossible position, is skipped: writes past them are dropped, never made).
+//
+// score_blocks folds each block in a fixed order that depends on (n, bs) only (launch::score_plan):
+// the same bits on every run and rank, max exactly the CPU's, sums possibly not the CPU's last bits.
+// workspace: score_workspace(n, bs) floats of device memory (0: none needed, may be null).
+int64_t score_workspace(int64_t n, int64_t bs);
 void score_blocks(DType dt, const void* g, const void* w, int64_t n, int64_t bs, Metric m,
-                  float eps, float* scores, int32_t* nonfinite, void* stream);
+                  float eps, float* scores, int32_t* nonfinite, float* workspace, void* stream);
 void pack_blocks(DType dt, const void* flat, int64_t n, const int64_t* ids, int64_t nids,
                  int64_t bs, int64_t short_pos, void* out, void* stream);
 void unpack_blocks(DType dt, const void* buf, int64_t n, const int64_t* ids, int64_t nids,
                    int64_t bs, int64_t short_pos, void* flat, bool accumulate, void* stream);
-// Flags (into *bad) ids that are out of range (bit 1) or repeated (bit 2); seen is nblocks int32 zeros.
-void check_ids(const int64_t* ids, int64_t nids, int64_t nblocks, int32_t* seen, int32_t* bad,
-               void* stream);
+// Validates ids in one small kernel: info (check_ids_words(nblocks) int64 zeros) gets info[0] = bit 1
+// an id out of range, bit 2 an id repeated; info[1] = 1 + the position in ids of the last block (0:
+// not listed); the rest is scratch (a bitmap of the blocks seen). The host reads info[0..1] once.
+int64_t check_ids_words(int64_t nblocks);
+void check_ids(const int64_t* ids, int64_t nids, int64_t nblocks, int64_t* info, void* stream);
 void split_blocks(DType dt, const void* flat, int64_t n, const uint8_t* mask, const int64_t* pos,
                   int64_t bs, void* crit, int64_t crit_n, void* def, int64_t def_n, void* stream);
 void merge_blocks(DType dt, const void* crit, int64_t crit_n, const void* def, int64_t def_n,

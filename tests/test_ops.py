@@ -467,3 +467,196 @@ def test_packed_lengths_checked_on_the_host(device):
     with pytest.raises(RuntimeError, match="sgd_step_into_: the deferred buffer must hold 2 blocks"):
         ops.sgd_step_into_(flat, None, short, None, short, mask, 16, lr=0.1, deferred_blocks=2)
     ops.split_blocks(flat, mask, 16, crit, torch.empty(32, device=device), deferred_blocks=2)  # right lengths pass
+
+
+# ------------------------------------------------------------------------------------------------
+# Mask positions, block shapes across the CUDA launch shapes (csrc/launch.h), huge block sizes.
+
+HUGE = 2**63 - 1
+# (n, bs), each with a short last block: a thread per block, thread groups of 2 to 128 threads, a CTA per
+# block, several chunks (CTAs) per block, one huge block, a block size past any int32 (launch.h's shapes)
+SHAPES = [(1000, 1), (1001, 3), (5000, 17), (3 * 33 + 5, 33), (1003, 100), (2007, 200), (3 * 500 + 1, 500),
+          (4 * 1000 + 7, 1000), (4 * 2000 + 3, 2000), (2 * 4000 + 9, 4000), (3 * 5000 + 17, 5000),
+          (2 * 12288 + 5, 12288), (20000, 20000), (20001, HUGE), (9000, 2**40)]
+
+
+def _masks(nb, seed):
+    g = torch.Generator().manual_seed(seed)
+    ms = [torch.rand(nb, generator=g) < 0.4, torch.zeros(nb, dtype=torch.bool), torch.ones(nb, dtype=torch.bool)]
+    if nb > 1:
+        last = torch.zeros(nb, dtype=torch.bool)
+        last[-1] = True
+        ms.append(last)
+    return ms
+
+
+@pytest.mark.parametrize("device", grid(DEVICES))
+def test_mask_positions(device):
+    m = torch.tensor([True, False, True, True, False, False, True], device=device)
+    want = torch.tensor([0, 1, 1, 2, 3, 3, 3], device=device)
+    assert torch.equal(ops.mask_positions(m), want) and ops.mask_positions(m).dtype == torch.int64
+    m8 = torch.tensor([2, 0, 1, 255, 0, 0, 7], dtype=torch.uint8, device=device)
+    assert torch.equal(ops.mask_positions(m8), want)
+    assert ops.mask_positions(m[:0]).shape == (0,)
+    with pytest.raises(RuntimeError, match="mask must be bool or uint8, got torch.float32"):
+        ops.mask_positions(m.float())
+
+
+@pytest.mark.parametrize("device,dtype", grid(DEVICES, DTYPES))
+def test_positions_give_the_same_results(device, dtype):
+    """split/merge/sgd_step_into_ with the mask's positions (whole, or sliced like the mask, as the
+    buckets pass them) give bitwise what they give computing the positions themselves."""
+    bs, nb = 16, 23
+    n = nb * bs
+    flat = rand(n, dtype, device)
+    for mi, full in enumerate(_masks(nb, 7)):
+        for kind in ("bool", "uint8"):
+            mask = (full.to(torch.uint8) * 3 if kind == "uint8" else full).to(device)
+            pos = ops.mask_positions(mask)
+            for a, b in ((0, nb), (0, 5), (5, 17), (17, nb), (nb - 1, nb)):
+                part, m, p = flat[a * bs:b * bs], mask[a:b], pos[a:b]
+                nc, nd = ops.mask_numels(part.numel(), m, bs)
+                c, d = ops.split_blocks(part, m, bs)
+                c2, d2 = poison(flat.new_empty(nc)), poison(flat.new_empty(nd))
+                ops.split_blocks(part, m, bs, c2, d2, positions=p)
+                assert torch.equal(c, c2) and torch.equal(d, d2), (mi, kind, a, b)
+                back = poison(torch.empty_like(part))
+                ops.merge_blocks(c2, d2, m, bs, back, positions=p)
+                assert torch.equal(back, part), (mi, kind, a, b)
+                snap, g = rand(nd, dtype, device, seed=1), rand(nd, dtype, device, seed=2)
+                outs = []
+                for kw in ({}, {"positions": p}):
+                    q, mb = part.clone(), part.clone()
+                    ops.sgd_step_into_(q, mb, snap, snap.clone(), g, m, bs, lr=0.1, momentum=0.9, **kw)
+                    outs.append((q, mb))
+                assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1]), (mi, kind, a, b)
+
+
+@pytest.mark.parametrize("device", grid(DEVICES))
+def test_bad_positions_are_a_clear_error(device):
+    bs, nb = 8, 6
+    flat = rand(nb * bs, torch.float32, device)
+    mask = torch.tensor([True, False, True, False, False, True], device=device)
+    pos = ops.mask_positions(mask)
+    c, d = ops.split_blocks(flat, mask, bs)
+    with pytest.raises(RuntimeError, match="positions must be int64, got Int"):
+        ops.split_blocks(flat, mask, bs, c, d, positions=pos.int())
+    with pytest.raises(RuntimeError, match=r"positions must have one entry per block like the mask \(6\)"):
+        ops.merge_blocks(c, d, mask, bs, flat.clone(), positions=pos[1:])
+    with pytest.raises(RuntimeError, match="positions must be contiguous"):
+        ops.split_blocks(flat, mask, bs, c, d, positions=torch.stack([pos, pos], 1)[:, 0])
+    if device == "cpu":  # the CPU checks the values; the CUDA kernels skip impossible positions
+        with pytest.raises(RuntimeError, match="positions do not match the mask: 1 blocks are selected before block 1"):
+            ops.split_blocks(flat, mask, bs, c, d, positions=torch.zeros(nb, dtype=torch.int64))
+        with pytest.raises(RuntimeError, match="positions do not match the mask"):  # sliced unlike the mask
+            ops.merge_blocks(None, d[:2 * bs], mask[3:], bs, flat[3 * bs:].clone(), positions=pos[2:5])
+        with pytest.raises(RuntimeError, match="positions do not match the mask"):
+            ops.sgd_step_into_(flat.clone(), None, d, None, d.clone(), mask, bs, lr=0.1, positions=pos.flip(0))
+
+
+@pytest.mark.parametrize("device", grid(DEVICES))
+def test_opcheck_with_positions(device):
+    n, bs = 7 * BS + 3, BS
+    flat = rand(n, torch.float32, device)
+    mask = torch.tensor([1, 0, 0, 1, 0, 1, 0, 1], dtype=torch.bool, device=device)
+    pos = ops.mask_positions(mask)
+    nc, nd = ops.mask_numels(n, mask, BS)
+    cases = [
+        (torch.ops.osp.split_blocks.default, (flat, mask, bs, flat.new_empty(nc), flat.new_empty(nd), pos)),
+        (torch.ops.osp.merge_blocks.default, (flat[:nc].clone(), flat[:nd].clone(), mask, bs, flat.clone(), pos)),
+        (torch.ops.osp.sgd_step_into_.default,
+         (flat.clone(), flat.clone(), flat[:nd].clone(), flat[:nd].clone(), flat[:nd].clone(), mask, bs, 0.1, 0.9,
+          0.0, 0.0, False, False, False, pos)),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args)
+
+
+@pytest.mark.parametrize("device,dtype", grid(DEVICES, DTYPES))
+def test_block_shapes_match_the_reference(device, dtype):
+    """Every block kernel on sizes that take each launch shape (a thread per block, thread groups, a CTA
+    per block, several CTAs per block with a short last block, one huge block): the same as the
+    references; scores: max exactly, sums to tolerance, and bitwise the same on a second run."""
+    for n, bs in SHAPES:
+        flat = rand(n, dtype, device, seed=n)
+        w = rand(n, dtype, device, seed=n + 1)
+        nb = ops.num_blocks(n, bs)
+        for metric in METRICS:
+            scores, nf = ops.score_blocks(flat, bs, metric, param=w)
+            ref, _ = ops.ref_score_blocks(flat, min(bs, n), metric, param=w)  # its padding: bs <= n
+            assert scores.shape == (nb,) and int(nf) == 0, (n, bs, metric)
+            if metric == "max":
+                assert torch.equal(scores, ref), (n, bs)
+            else:
+                torch.testing.assert_close(scores, ref, rtol=1e-4, atol=1e-4)
+            assert torch.equal(scores, ops.score_blocks(flat, bs, metric, param=w)[0]), (n, bs, metric)
+        for mask in _masks(nb, n):
+            mask = mask.to(device)
+            nc, nd = ops.mask_numels(n, mask, bs)
+            rc, rd = flat.new_empty(nc), flat.new_empty(nd)
+            ops.ref_split_blocks(flat, mask, bs, rc, rd)
+            c, d = poison(flat.new_empty(nc)), poison(flat.new_empty(nd))
+            ops.split_blocks(flat, mask, bs, c, d, positions=ops.mask_positions(mask))
+            assert torch.equal(c, rc) and torch.equal(d, rd), (n, bs)
+            back = poison(torch.empty_like(flat))
+            ops.merge_blocks(c, d, mask, bs, back)
+            assert torch.equal(back, flat), (n, bs)
+            ids = mask.nonzero().flatten().flip(0)
+            packed = ops.pack_blocks(flat, ids, bs)
+            assert torch.equal(packed, ops.ref_pack_blocks(flat, ids, bs, torch.empty_like(packed))), (n, bs)
+            acc, expect = flat.clone(), flat.clone()
+            ops.unpack_blocks(packed, ids, bs, acc, accumulate=True)
+            ops.ref_unpack_blocks(packed, ids, bs, expect, accumulate=True)
+            assert torch.equal(acc, expect), (n, bs)
+            snap, g = rand(nd, dtype, device, seed=3), rand(nd, dtype, device, seed=4)
+            p, m = flat.clone(), flat.clone()
+            ops.sgd_step_into_(p, m, snap, snap.clone(), g, mask, bs, lr=0.1, momentum=0.9)
+            rp, rm = snap.clone(), snap.clone()
+            ops.sgd_step_(rp, g, rm, lr=0.1, momentum=0.9)
+            p_ref, m_ref = flat.clone(), flat.clone()
+            ops.merge_blocks(None, rp, mask, bs, p_ref)
+            ops.merge_blocks(None, rm, mask, bs, m_ref)
+            assert torch.equal(p, p_ref) and torch.equal(m, m_ref), (n, bs)
+
+
+@pytest.mark.parametrize("device", grid(DEVICES))
+def test_huge_block_size_in_every_kernel(device):
+    """bs = 2**63 - 1 is one block in every kernel (a kernel recomputing (n + bs - 1) / bs would see none
+    and write nothing, or leave the scores uninitialised)."""
+    n = 9 * 4096 + 5
+    flat = rand(n, torch.float32, device)
+    for bs in (2**40, 2**62, HUGE):
+        assert torch.equal(ops.score_blocks(flat, bs, "max")[0], flat.abs().max().reshape(1))
+        _, nf = ops.score_blocks(torch.cat([flat, flat.new_full((1,), float("inf"))]), bs)
+        assert int(nf) == 1
+        one = torch.zeros(1, dtype=torch.int64, device=device)
+        assert torch.equal(ops.pack_blocks(flat, one, bs), flat)
+        target = poison(torch.empty_like(flat))
+        ops.unpack_blocks(flat, one, bs, target)
+        assert torch.equal(target, flat)
+        for sel in (True, False):
+            mask = torch.tensor([sel], device=device)
+            c, d = ops.split_blocks(flat, mask, bs, positions=ops.mask_positions(mask))
+            assert torch.equal(c if sel else d, flat)
+            back = poison(torch.empty_like(flat))
+            ops.merge_blocks(c, d, mask, bs, back)
+            assert torch.equal(back, flat)
+        p = poison(torch.empty_like(flat))
+        ops.sgd_step_into_(p, None, flat, None, torch.zeros_like(flat), torch.tensor([False], device=device), bs,
+                           lr=0.1)
+        assert torch.equal(p, flat)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_mixed_devices_name_the_argument():
+    """A tensor on the wrong device, even one this call does not read, is named before any device guard."""
+    flat = torch.randn(4 * BS)
+    mask = torch.tensor([True, False, True, False])
+    with pytest.raises(RuntimeError, match="param must be on cpu like grad, got cuda"):
+        torch.ops.osp.score_blocks(flat, flat.cuda(), BS, 0, 1e-8)
+    with pytest.raises(RuntimeError, match="momentum_buffer must be on cpu like param, got cuda"):
+        ops.sgd_step_(flat, flat.clone(), flat.cuda(), lr=0.1)
+    with pytest.raises(RuntimeError, match="positions must be on cpu like flat, got cuda"):
+        ops.split_blocks(flat, mask, BS, flat.new_empty(2 * BS), None, positions=ops.mask_positions(mask).cuda())
+    with pytest.raises(RuntimeError, match="out must be on cuda:0 like flat, got cpu"):
+        torch.ops.osp.pack_blocks(flat.cuda(), torch.tensor([0], device="cuda"), BS, flat[:BS].clone())

@@ -1,4 +1,5 @@
-// Shared pieces of the CUDA kernels: dtype dispatch, fp32 conversion and launch checking.
+// Shared pieces of the CUDA kernels: dtype dispatch, fp32 conversion, launch checking, and the fixed-order
+// fold of a thread group (the launch shapes themselves are host arithmetic in ../launch.h).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -7,6 +8,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "../launch.h"
 #include "../ops.h"
 
 namespace osp {
@@ -42,16 +44,38 @@ inline void check_launch(const char* what) {
 
 inline cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
 
-constexpr int kThreads = 256;
-// Grid for a grid-stride loop over `work` items: enough CTAs to fill the GPU, capped.
+using launch::block_len;
+using launch::kThreads;
+
+// Grid for a grid-stride loop over `work` elements (the elementwise optimizer steps): capped.
 inline unsigned grid_for(int64_t work, int64_t per_cta = kThreads) {
-  const int64_t g = (work + per_cta - 1) / per_cta;
-  return static_cast<unsigned>(g < 1 ? 1 : (g > 65535 * 8 ? 65535 * 8 : g));
+  const int64_t g = launch::cdiv(work, per_cta);
+  return static_cast<unsigned>(g < 1 ? 1 : (g > launch::kMaxGrid ? launch::kMaxGrid : g));
 }
 
-__device__ __forceinline__ int64_t block_len(int64_t b, int64_t n, int64_t bs) {
-  const int64_t r = n - b * bs;
-  return r < bs ? r : bs;
+// Grid of a launch shape (at least one CTA: a kernel with no items returns at once).
+inline unsigned grid_of(const launch::Shape& s) { return static_cast<unsigned>(s.grid < 1 ? 1 : s.grid); }
+
+template <Metric M> __device__ __forceinline__ float fold(float a, float b) {
+  if constexpr (M == Metric::Max) return a > b ? a : b;
+  else return __fadd_rn(a, b);
+}
+
+// Folds v over each group of `group` consecutive threads (a power of two <= kThreads) in a fixed tree:
+// shuffles within a warp, then the warps' results in index order. The result lands in the group's
+// first thread. Every thread of the CTA must call it (it synchronises when group > 32); `part` holds
+// kThreads / 32 floats of shared memory.
+template <Metric M> __device__ __forceinline__ float group_fold(float v, int group, float* part) {
+  const int width = group < 32 ? group : 32;
+  for (int off = width >> 1; off > 0; off >>= 1) v = fold<M>(v, __shfl_down_sync(0xffffffffu, v, off, width));
+  if (group <= 32) return v;
+  const int warp = threadIdx.x >> 5;
+  __syncthreads();  // the previous call's readers are done with part
+  if ((threadIdx.x & 31) == 0) part[warp] = v;
+  __syncthreads();
+  if ((threadIdx.x & (group - 1)) == 0)
+    for (int k = 1; k < group / 32; ++k) v = fold<M>(v, part[warp + k]);
+  return v;
 }
 
 }  // namespace cuda

@@ -3,6 +3,8 @@
 // CUDA optimizers run foreach kernels whose roundings (nvcc's contracted multiply-adds among them)
 // can differ in the last bit, so on a GPU the corrected update equals torch.optim's to float
 // tolerance, not bitwise. Every rank runs this same kernel, so the replicas stay bitwise equal.
+// sgd_step_ and adam_step_ are grid-stride loops over the elements; sgd_step_into_ runs over the
+// (block, chunk) items of ../launch.h with the host's block count, as merge_blocks does.
 #include <cmath>
 
 #include "common_cuda.cuh"
@@ -39,24 +41,32 @@ __global__ void sgd_step_kernel(T* __restrict__ P, const T* __restrict__ G, T* _
   }
 }
 
-// One CTA per block (grid-stride); the deferred (mask == 0) block b starts at b - pos[b] whole blocks
-// in the packed inputs, as in merge_blocks.
+// Over the launch shape of ../launch.h (a grid over (block, chunk) items; the host's block count): the
+// deferred (mask == 0) block b starts at b - (pos[b] - pos[0]) whole blocks in the packed inputs, as in
+// merge_blocks; a block whose position is impossible or that reaches past packed_n is skipped.
 template <typename T>
-__global__ void sgd_step_into_kernel(T* __restrict__ P, T* __restrict__ M, const T* __restrict__ Pin,
-                                     const T* __restrict__ Min, const T* __restrict__ G,
-                                     const uint8_t* __restrict__ mask, const int64_t* __restrict__ pos,
-                                     int64_t n, int64_t bs, int64_t packed_n, float wd, float mom, float damp1,
-                                     float neg_lr, bool nesterov, bool maximize, bool first) {
-  const int64_t nb = (n + bs - 1) / bs;
-  for (int64_t b = blockIdx.x; b < nb; b += gridDim.x) {
-    const int64_t o = (b - pos[b]) * bs, len = block_len(b, n, bs);
-    if (mask[b] != 0 || o + len > packed_n) continue;
-    for (int64_t i = threadIdx.x; i < len; i += blockDim.x) {
+__global__ void __launch_bounds__(kThreads) sgd_step_into_kernel(
+    const launch::Shape s, T* __restrict__ P, T* __restrict__ M, const T* __restrict__ Pin,
+    const T* __restrict__ Min, const T* __restrict__ G, const uint8_t* __restrict__ mask,
+    const int64_t* __restrict__ pos, int64_t n, int64_t bs, int64_t packed_n, float wd, float mom, float damp1,
+    float neg_lr, bool nesterov, bool maximize, bool first) {
+  const int slot = threadIdx.x / s.group, lane = threadIdx.x & (s.group - 1);
+  const int64_t p0 = pos[0];
+  for (int64_t cta = blockIdx.x; cta < s.ctas; cta += gridDim.x) {
+    const int64_t q = launch::item_index(s, cta, slot);
+    if (q >= s.items) continue;
+    const launch::Item it = launch::item_at(s, q);
+    const int64_t b = it.row, sel_before = pos[b] - p0;
+    if (mask[b] != 0 || sel_before < 0 || sel_before > b) continue;
+    const int64_t o = (b - sel_before) * bs, len = block_len(b, n, bs), hi = launch::item_end(s, it, len);
+    if (o + len > packed_n) continue;
+    const int64_t f = b * bs;
+    for (int64_t i = it.lo + lane; i < hi; i += s.group) {
       float m = 0.f;
       const float p = sgd_elem<T>(to_f(Pin[o + i]), to_f(G[o + i]), Min && !first ? to_f(Min[o + i]) : 0.f,
                                   M != nullptr, &m, wd, mom, damp1, neg_lr, nesterov, maximize, first);
-      if (M) M[b * bs + i] = from_f<T>(m);
-      P[b * bs + i] = from_f<T>(p);
+      if (M) M[f + i] = from_f<T>(m);
+      P[f + i] = from_f<T>(p);
     }
   }
 }
@@ -113,13 +123,13 @@ void sgd_step(DType dt, void* param, const void* grad, void* momentum_buf, int64
 void sgd_step_into(DType dt, void* param, void* momentum_buf, const void* snap_param,
                    const void* snap_momentum, const void* grad, const uint8_t* mask, const int64_t* pos,
                    int64_t n, int64_t bs, int64_t packed_n, const SgdHyper& h, void* stream) {
-  const int64_t nb = num_blocks(n, bs);
-  if (nb == 0) return;
+  const launch::Shape s = launch::shape(n, bs);
+  if (s.items == 0) return;
   dispatch(dt, [&](auto tag) {
     using T = decltype(tag);
     const bool has_m = h.momentum != 0.0;
-    sgd_step_into_kernel<T><<<grid_for(nb, 1), kThreads, 0, as_stream(stream)>>>(
-        static_cast<T*>(param), has_m ? static_cast<T*>(momentum_buf) : nullptr,
+    sgd_step_into_kernel<T><<<grid_of(s), kThreads, 0, as_stream(stream)>>>(
+        s, static_cast<T*>(param), has_m ? static_cast<T*>(momentum_buf) : nullptr,
         static_cast<const T*>(snap_param), has_m && !h.first ? static_cast<const T*>(snap_momentum) : nullptr,
         static_cast<const T*>(grad), mask, pos, n, bs, packed_n, float(h.weight_decay), float(h.momentum),
         float(1.0 - h.dampening), float(-h.lr), h.nesterov, h.maximize, h.first);

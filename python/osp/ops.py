@@ -5,6 +5,11 @@ warning says so once). Layout: a flat tensor of ``n`` elements is cut into ``cei
 blocks; the last block may be short. A *packed* buffer is the concatenation of selected blocks, each
 with its true length, in the order of ``block_ids`` (pack/unpack) or in ascending block order
 (split/merge with a per-block mask).
+
+On CUDA the block kernels run over a grid of (block, chunk) work items whose shape is host arithmetic
+(``csrc/launch.h``, visible on any build as ``torch.ops.osp.launch_shape``); split/merge/sgd_step_into_
+take a mask's prefix sum once computed (:func:`mask_positions`, ``positions=``) instead of computing it
+on every call.
 """
 from __future__ import annotations
 
@@ -83,6 +88,22 @@ def packed_numel(numel: int, block_ids: torch.Tensor, block_size: int) -> int:
     return k * block_size - (has_last * (nb * block_size - numel))
 
 
+def mask_positions(mask: torch.Tensor) -> torch.Tensor:
+    """The int64 exclusive prefix sum of a per-block mask: ``positions[b]`` is how many blocks before
+    ``b`` are selected (nonzero). Compute it once per mask and pass it as ``positions=`` to
+    :func:`split_blocks`, :func:`merge_blocks` and :func:`sgd_step_into_`, which otherwise compute it on
+    every call (on CUDA: launches and allocations per call). A slice stays valid with the same slice of
+    the mask: ``split_blocks(flat[a * bs:b * bs], mask[a:b], bs, ..., positions=positions[a:b])`` (the
+    kernels count from the slice's first entry). Two launches, no sync."""
+    if mask.dtype not in (torch.bool, torch.uint8):
+        raise RuntimeError(f"osp: mask must be bool or uint8, got {mask.dtype}")
+    if mask.dim() != 1:
+        raise RuntimeError(f"osp: mask must be 1-D, got {mask.dim()}-D")
+    pos = torch.zeros(mask.numel() + 1, dtype=torch.int64, device=mask.device)
+    torch.cumsum(mask if mask.dtype == torch.bool else mask != 0, 0, dtype=torch.int64, out=pos[1:])
+    return pos[:-1]
+
+
 def mask_numels(numel: int, mask: torch.Tensor, block_size: int) -> Tuple[int, int]:
     """(critical, deferred) packed lengths for a per-block mask (syncs once on CUDA)."""
     nb = num_blocks(numel, block_size)
@@ -123,7 +144,11 @@ def score_blocks(
 def pack_blocks(
     flat: torch.Tensor, block_ids: torch.Tensor, block_size: int, out: Optional[torch.Tensor] = None
 ) -> torch.Tensor:
-    """Gather the blocks ``block_ids`` (int64, any order, distinct) of ``flat`` into one buffer."""
+    """Gather the blocks ``block_ids`` (int64, any order, distinct) of ``flat`` into one buffer.
+
+    On CUDA the ids are validated (in range, distinct) with one small kernel and one device sync per
+    call, and sizing ``out`` when it is not given costs another: pack/unpack are for tests and
+    benchmarks, not any training step's path (which uses :func:`split_blocks` with a mask)."""
     _check_block_size(block_size)
     _check_dense(flat, "flat")
     if out is None:
@@ -142,7 +167,8 @@ def unpack_blocks(
     accumulate: bool = False,
 ) -> None:
     """Scatter ``buf`` (packed as by :func:`pack_blocks`) back into ``flat``, in place.
-    With ``accumulate=True`` the blocks are added instead of copied."""
+    With ``accumulate=True`` the blocks are added instead of copied. On CUDA the ids are validated
+    with one device sync per call, as in :func:`pack_blocks` (not on any training step's path)."""
     _check_block_size(block_size)
     if _use_extension():
         torch.ops.osp.unpack_blocks(buf, block_ids, block_size, flat, accumulate)
@@ -171,13 +197,15 @@ def _check_packed(op: str, flat: torch.Tensor, block_size: int, deferred_blocks:
 def split_blocks(
     flat: torch.Tensor, mask: torch.Tensor, block_size: int,
     critical: Optional[torch.Tensor] = None, deferred: Optional[torch.Tensor] = None,
-    deferred_blocks: Optional[int] = None,
+    deferred_blocks: Optional[int] = None, *, positions: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """One pass over ``flat``: blocks with ``mask`` set go to ``critical``, the others to
     ``deferred``, each in ascending block order. With neither output given both are allocated (which
     costs a device sync on CUDA, to size them); with one given, the other side is skipped (None).
     ``deferred_blocks``: how many blocks the mask leaves unset, where the caller knows it: the buffers'
-    lengths are then checked against it (on every device, without a sync)."""
+    lengths are then checked against it (on every device, without a sync). ``positions``: the mask's
+    :func:`mask_positions` (sliced like the mask), so they are not computed again; the CPU checks them
+    against the mask."""
     _check_block_size(block_size)
     _check_dense(flat, "flat")
     _check_packed("split_blocks", flat, block_size, deferred_blocks, critical, deferred)
@@ -185,7 +213,7 @@ def split_blocks(
         nc, nd = mask_numels(flat.numel(), mask, block_size)
         critical, deferred = flat.new_empty(nc), flat.new_empty(nd)
     if _use_extension():
-        torch.ops.osp.split_blocks(flat, mask, block_size, critical, deferred)
+        torch.ops.osp.split_blocks(flat, mask, block_size, critical, deferred, positions)
     else:
         ref_split_blocks(flat, mask, block_size, critical, deferred)
     return critical, deferred
@@ -193,14 +221,15 @@ def split_blocks(
 
 def merge_blocks(
     critical: Optional[torch.Tensor], deferred: Optional[torch.Tensor], mask: torch.Tensor,
-    block_size: int, flat: torch.Tensor, deferred_blocks: Optional[int] = None,
+    block_size: int, flat: torch.Tensor, deferred_blocks: Optional[int] = None, *,
+    positions: Optional[torch.Tensor] = None,
 ) -> None:
     """Inverse of :func:`split_blocks`, in place on ``flat``; a ``None`` side is left untouched
-    (``deferred_blocks`` as there)."""
+    (``deferred_blocks`` and ``positions`` as there)."""
     _check_block_size(block_size)
     _check_packed("merge_blocks", flat, block_size, deferred_blocks, critical, deferred)
     if _use_extension():
-        torch.ops.osp.merge_blocks(critical, deferred, mask, block_size, flat)
+        torch.ops.osp.merge_blocks(critical, deferred, mask, block_size, flat, positions)
     else:
         ref_merge_blocks(critical, deferred, mask, block_size, flat)
 
@@ -225,19 +254,20 @@ def sgd_step_into_(
     snap_momentum: Optional[torch.Tensor], grad: torch.Tensor, mask: torch.Tensor, block_size: int, *,
     lr: float, momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0,
     nesterov: bool = False, maximize: bool = False, first: bool = False, deferred_blocks: Optional[int] = None,
+    positions: Optional[torch.Tensor] = None,
 ) -> None:
     """The ``torch.optim.SGD`` step of the blocks of the flat ``param`` where ``mask`` is not set, from
     packed inputs: ``snap_param``, ``snap_momentum`` and ``grad`` hold just those blocks (as
     :func:`split_blocks` packs the deferred side). The results are written to the blocks' places in
     ``param`` and ``momentum_buffer``; the packed inputs and the other blocks are left as they are.
     Bitwise :func:`sgd_step_` on the packed buffers followed by :func:`merge_blocks` of both into
-    their flat places, in one pass (``deferred_blocks`` as for :func:`split_blocks`)."""
+    their flat places, in one pass (``deferred_blocks`` and ``positions`` as for :func:`split_blocks`)."""
     _check_block_size(block_size)
     for buf in (snap_param, snap_momentum, grad):
         _check_packed("sgd_step_into_", param, block_size, deferred_blocks, None, buf)
     if _use_extension():
         torch.ops.osp.sgd_step_into_(param, momentum_buffer, snap_param, snap_momentum, grad, mask, block_size,
-                                     lr, momentum, dampening, weight_decay, nesterov, maximize, first)
+                                     lr, momentum, dampening, weight_decay, nesterov, maximize, first, positions)
     else:
         ref_sgd_step_into_(param, momentum_buffer, snap_param, snap_momentum, grad, mask, block_size, lr=lr,
                            momentum=momentum, dampening=dampening, weight_decay=weight_decay,

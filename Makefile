@@ -8,7 +8,7 @@ CUDA_SRCS := $(wildcard csrc/cuda/*.cu)
 CUDA_CPP_SRCS := $(wildcard csrc/cuda/*.cpp)
 PYTEST_ARGS ?=
 
-.PHONY: install test test-only lint cuda-check bench-kernels bench-accuracy bench-stragglers bench-faults bench-tta demo bench stress-exit mutation conformance-random clean
+.PHONY: install test test-only lint cuda-check gpu-check bench-kernels bench-accuracy bench-stragglers bench-faults bench-tta demo bench stress-exit mutation conformance-random clean
 
 install:
 	@bash scripts/install.sh
@@ -59,6 +59,17 @@ cuda-check: install
 	  $(CXX) -std=c++17 -fsyntax-only -Wno-c++20-extensions -Ibuild/cuda-check/stub $$T -I$(dir $(CUDA_RUNTIME_H)) $$f || exit 1; \
 	done
 	@echo "cuda-check: $(words $(CUDA_SRCS)) CUDA files compiled for sm_80 and sm_90, $(words $(CUDA_CPP_SRCS)) registration file(s) checked"
+
+# On a host with one NVIDIA GPU, from the checkout alone (no install, no network; about 10 minutes):
+# osp._C built in place with FORCE_CUDA=1 for the device's arch, the CUDA tests (test_ops.py -k cuda,
+# test_optimizer.py -k cuda, test_cuda.py), the kernel benchmark on cuda, bench/results/gpu.json and a
+# markdown summary (scripts/gpu_check.py; logs in build/gpu-check/). Without a GPU or nvcc it prints the
+# plan and why, and exits 2. .venv/bin/python where there is one, else python3 (PY=... to choose);
+# GPU_CHECK_ARGS="--list" prints the plan, "--only tests" runs one step.
+GPU_CHECK_ARGS ?=
+gpu-check: PY = $(if $(wildcard $(VENV)/bin/python),$(VENV)/bin/python,python3)
+gpu-check:
+	NVCC="$(NVCC)" $(PY) scripts/gpu_check.py $(GPU_CHECK_ARGS)
 
 bench-kernels: install
 	$(PY) bench/kernels.py

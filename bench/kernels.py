@@ -3,11 +3,19 @@ a plain copy of the same bytes (torch.clone) and against the PyTorch composition
 job, all measured in the same run. Checks correctness before timing anything.
 
     python bench/kernels.py [--sizes 1M,4M,16M,64M] [--dtypes float32,float16,bfloat16] [--device cpu]
+                            [--peak auto] [--launch-elements 100M] [--report REPORT.json]
 
 Bandwidth counts the bytes a pass must move (read + write). "x clone" is the pass's bandwidth over
 the bandwidth of torch.clone of the same tensor (which allocates, as the composition does);
 "x copy_" over a copy_ into a buffer allocated beforehand (the memory system's plain streaming
-rate); "x torch" is the composition's time over the kernel's time. Higher is better.
+rate); "x torch" is the composition's time over the kernel's time; "x peak" over the device's peak
+(on a GPU: 2 x memory clock x bus width from torch.cuda.get_device_properties where torch reports
+them, else a copy_ of 1 GiB measured here, the achievable peak; the table says which). Higher is better.
+
+The launch shape (on a GPU, 100M fp32 elements by default): score_blocks and split_blocks with one
+block of the whole tensor against blocks of 4096, each against copy_ of the same tensor; a whole-tensor
+block must not be one CTA's work. --report writes everything (rows, peak, launch shape, device) as one
+JSON object; --json the rows alone, as before.
 """
 from __future__ import annotations
 
@@ -24,6 +32,7 @@ from osp import ops
 
 BS = 4096
 CRIT = 0.25
+MIN_TIME = 0.2  # seconds each measurement repeats for at least (--min-time)
 
 
 def parse_size(s: str) -> int:
@@ -32,7 +41,9 @@ def parse_size(s: str) -> int:
     return int(float(s.rstrip("KMG")) * mult)
 
 
-def timeit(fn, device, reps, min_time=0.2):
+def timeit(fn, device, reps, min_time=None):
+    min_time = MIN_TIME if min_time is None else min_time
+
     def sync():
         if device == "cuda":
             torch.cuda.synchronize()
@@ -145,31 +156,155 @@ def bench_one(n, dtype, device, reps):
             for op, b, t, tc in rows]
 
 
+def device_peak(device, how="auto", nbytes=1 << 30, reps=5):
+    """The device's peak memory bandwidth: ``{"gbps", "source", "theoretical_gbps", "copy_gbps"}``.
+    ``theoretical_gbps``: 2 x memory clock x bus width (double data rate) from
+    torch.cuda.get_device_properties, where this torch reports them (None elsewhere); ``copy_gbps``: a
+    copy_ of ``nbytes`` measured here (read + write). ``how``: "props" (the theoretical one, falling back to
+    the measured one), "measure", or "auto" (props on a GPU; none on a CPU); "none": no peak."""
+    out = {"gbps": None, "source": None, "theoretical_gbps": None, "copy_gbps": None, "copy_bytes": None}
+    if how == "none" or (how == "auto" and device != "cuda"):
+        return out
+    if device == "cuda":
+        p = torch.cuda.get_device_properties(torch.cuda.current_device())
+        clock_khz = getattr(p, "memory_clock_rate", 0) or 0
+        bus_bits = getattr(p, "memory_bus_width", 0) or 0
+        if clock_khz and bus_bits:
+            out["theoretical_gbps"] = 2 * clock_khz * 1e3 * bus_bits / 8 / 1e9
+            out["memory_clock_khz"], out["memory_bus_bits"] = clock_khz, bus_bits
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    out["copy_gbps"] = 2 * src.numel() * 4 / timeit(lambda: dst.copy_(src), device, reps) / 1e9
+    out["copy_bytes"] = src.numel() * 4
+    if how != "measure" and out["theoretical_gbps"]:
+        out["gbps"], out["source"] = out["theoretical_gbps"], (
+            "theoretical: 2 x memory_clock_rate x memory_bus_width of torch.cuda.get_device_properties")
+    else:
+        out["gbps"], out["source"] = out["copy_gbps"], f"measured: copy_ of {out['copy_bytes'] / 2**30:g} GiB " \
+                                                       "(the achievable peak)"
+    return out
+
+
+def bench_launch_shape(n, device, reps, peak_gbps=None):
+    """score_blocks (l2) and split_blocks (every block critical) on ``n`` fp32 elements with one block of
+    the whole tensor and with blocks of BS, checked first; each against copy_ of the same tensor."""
+    g = torch.randn(n, device=device)
+    dst = torch.empty_like(g)
+    copy_gbps = 2 * n * 4 / timeit(lambda: dst.copy_(g), device, reps) / 1e9
+    rows = []
+    for bs_name, bs in (("whole tensor", n), (str(BS), BS)):
+        nb = ops.num_blocks(n, bs)
+        scores = ops.score_blocks(g, bs, "l2")[0]
+        if bs == n:
+            torch.testing.assert_close(scores.double(), (g.double() ** 2).sum().reshape(1), rtol=1e-4, atol=0.0)
+        else:
+            pad = nb * bs - n
+            ref = torch.nn.functional.pad(g * g, (0, pad)).view(nb, bs).sum(1)
+            torch.testing.assert_close(scores, ref, rtol=1e-4, atol=1e-6)
+        t = timeit(lambda bs=bs: ops.score_blocks(g, bs, "l2"), device, reps)
+        rows.append(("score_blocks l2", bs_name, bs, n * 4, t))
+        mask = torch.ones(nb, dtype=torch.bool, device=device)
+        crit, deff = torch.empty_like(g), g.new_empty(0)
+        ops.split_blocks(g, mask, bs, crit, deff)
+        assert torch.equal(crit, g), f"split_blocks with block size {bs} moved the wrong elements"
+        t = timeit(lambda bs=bs, m=mask, c=crit, d=deff: ops.split_blocks(g, m, bs, c, d), device, reps)
+        rows.append(("split_blocks", bs_name, bs, 2 * n * 4, t))
+    out = []
+    for op, bs_name, bs, nbytes, t in rows:
+        gbps = nbytes / t / 1e9
+        out.append(dict(op=op, block_size=bs_name, block_elements=bs, n=n, dtype="float32", device=device, ms=t * 1e3,
+                        gbps=gbps, x_copy_=gbps / copy_gbps, copy__gbps=copy_gbps,
+                        x_peak=gbps / peak_gbps if peak_gbps else None))
+    for r in out:  # the whole-tensor block's time over the BS blocks' time, per op
+        base = next(o for o in out if o["op"] == r["op"] and o["block_elements"] == BS)
+        r["x_time_vs_bs4096"] = r["ms"] / base["ms"]
+    return out
+
+
+def _fmt(x, spec):
+    return "-" if x is None else format(x, spec)
+
+
 def main(argv=None):
+    global MIN_TIME
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="1M,4M,16M,64M")
     ap.add_argument("--half-sizes", default="16M", help="sizes for float16/bfloat16")
     ap.add_argument("--dtypes", default="float32,float16,bfloat16")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--json", default="bench/out/kernels.json")
+    ap.add_argument("--min-time", type=float, default=MIN_TIME,
+                    help="seconds each measurement repeats for at least (default %(default)s)")
+    ap.add_argument("--peak", choices=["auto", "props", "measure", "none"], default="auto",
+                    help="the device's peak bandwidth: auto (from the device's properties on a GPU, else a "
+                         "measured copy_; none on a CPU), props, measure, none")
+    ap.add_argument("--peak-bytes", default="1G", help="bytes of the measured copy_ (default %(default)s)")
+    ap.add_argument("--launch-elements", default="auto",
+                    help="fp32 elements of the launch-shape runs: auto (100M on a GPU, none on a CPU), a size "
+                         "such as 100M, or 0 for none")
+    ap.add_argument("--json", default="bench/out/kernels.json", help="the rows (a JSON list)")
+    ap.add_argument("--report", default=None,
+                    help="everything as one JSON object: device, peak, rows, launch shape")
     a = ap.parse_args(argv)
+    MIN_TIME = a.min_time
     assert ops.HAS_EXTENSION, "osp._C is not built"
-    results = []
-    print(f"device={a.device} threads={torch.get_num_threads()} torch={torch.__version__} block_size={BS}")
-    print("| op | elements | dtype | ms | GB/s | x clone | x copy_ | x torch |")
-    print("|---|---|---|---|---|---|---|---|")
+    if a.device == "cuda":
+        assert ops._CUDA_BUILT, "osp._C was built without its CUDA kernels (rebuild with FORCE_CUDA=1)"
+    peak = device_peak(a.device, a.peak, parse_size(a.peak_bytes), a.reps)
+    results, errors = [], []
+    name = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
+    print(f"device={a.device} ({name}) threads={torch.get_num_threads()} torch={torch.__version__} "
+          f"block_size={BS}")
+    if peak["gbps"]:
+        print(f"peak {peak['gbps']:.0f} GB/s ({peak['source']}); copy_ of {peak['copy_bytes'] / 2**30:g} GiB "
+              f"measured {peak['copy_gbps']:.0f} GB/s")
+    print("| op | elements | dtype | ms | GB/s | x clone | x copy_ | x torch | x peak |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for dname in a.dtypes.split(","):
         dtype = getattr(torch, dname)
         sizes = a.sizes if dtype == torch.float32 else a.half_sizes
         for s in sizes.split(","):
-            for r in bench_one(parse_size(s), dtype, a.device, a.reps):
+            try:
+                rows = bench_one(parse_size(s), dtype, a.device, a.reps)
+            except Exception as e:  # noqa: BLE001 - a failed check is reported, the other sizes still run
+                errors.append(f"{s} {dname}: {type(e).__name__}: {e}")
+                print(f"| check failed | {s} | {dname} | {type(e).__name__}: {str(e).splitlines()[0][:200]} |",
+                      flush=True)
+                continue
+            for r in rows:
+                r["peak_gbps"] = peak["gbps"]
+                r["x_peak"] = r["gbps"] / peak["gbps"] if peak["gbps"] else None
+                r["size"] = s
                 results.append(r)
                 print(f"| {r['op']} | {s} | {r['dtype']} | {r['ms']:.2f} | {r['gbps']:.1f} | "
-                      f"{r['x_copy']:.2f} | {r['x_copy_']:.2f} | {r['x_torch']:.1f} |", flush=True)
+                      f"{r['x_copy']:.2f} | {r['x_copy_']:.2f} | {r['x_torch']:.1f} | {_fmt(r['x_peak'], '.2f')} |",
+                      flush=True)
+    launch = []
+    le = a.launch_elements
+    n_launch = (parse_size("100M") if a.device == "cuda" else 0) if le == "auto" else parse_size(le)
+    if n_launch:
+        try:
+            launch = bench_launch_shape(n_launch, a.device, a.reps, peak["gbps"])
+        except Exception as e:  # noqa: BLE001
+            errors.append(f"launch shape {n_launch}: {type(e).__name__}: {e}")
+        print(f"\nlaunch shape, {n_launch} fp32 elements:")
+        print("| op | block size | ms | GB/s | x copy_ | x peak | time / time at 4096 |")
+        print("|---|---|---|---|---|---|---|")
+        for r in launch:
+            print(f"| {r['op']} | {r['block_size']} | {r['ms']:.2f} | {r['gbps']:.1f} | {r['x_copy_']:.2f} | "
+                  f"{_fmt(r['x_peak'], '.2f')} | {r['x_time_vs_bs4096']:.2f} |", flush=True)
     os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
     with open(a.json, "w") as fh:
         json.dump(results, fh, indent=1)
+    if a.report:
+        report = dict(device=a.device, device_name=name, torch=torch.__version__, cuda=torch.version.cuda,
+                      threads=torch.get_num_threads(), block_size=BS, peak=peak, rows=results, launch_shape=launch,
+                      errors=errors)
+        os.makedirs(os.path.dirname(a.report) or ".", exist_ok=True)
+        with open(a.report, "w") as fh:
+            json.dump(report, fh, indent=1)
+    if errors:
+        raise SystemExit("kernels: a check failed (its rows are missing above):\n  " + "\n  ".join(errors))
     return results
 
 

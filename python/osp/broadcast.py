@@ -31,7 +31,95 @@ def broadcast_parameters(params, root_rank: int = 0, backend="auto") -> None:
 def broadcast_optimizer_state(optimizer, root_rank: int = 0, backend="auto") -> None:
     """Make every rank's optimizer state (and hyper-parameters) equal to ``root_rank``'s: a
     ``torch.optim`` optimizer's, or the optimizer a ``DistributedOptimizer`` wraps (call ``flush()``
-    first: its state must hold exact updates)."""
-    comm = get_comm(backend)
-    inner = optimizer.optimizer if isinstance(optimizer, DistributedOptimizer) else optimizer
-    optimizer.load_state_dict(comm.broadcast_object(inner.state_dict(), root_rank))
+    first: its state must hold exact updates). A rank whose state is not made yet (no step so far) gets
+    root's. The state tensors travel in place, on each rank's own device (``broadcast_state``)."""
+    if isinstance(optimizer, DistributedOptimizer):
+        comm, inner, device = optimizer.comm, optimizer.optimizer, optimizer.groups[0].device
+    else:
+        comm, inner = get_comm(backend), optimizer
+        device = next((p.device for g in inner.param_groups for p in g["params"]), torch.device("cpu"))
+    optimizer.load_state_dict(broadcast_state(comm, inner.state_dict(), root_rank, device, "osp.bcast_state"))
+
+
+class _Tensor:
+    """Where a tensor of ``root``'s state goes: its shape and dtype; ``value`` carries it when it travels in
+    the object (a scalar, or a tensor kept on the host while training on a device)."""
+
+    __slots__ = ("shape", "dtype", "value")
+
+    def __init__(self, t: torch.Tensor, inline: bool):
+        self.shape, self.dtype = tuple(t.shape), t.dtype
+        self.value = t.detach().cpu().clone() if inline else None
+
+
+def _flatten(obj, path=()):
+    """(path, tensor) of every tensor in a nest of dicts, lists and tuples."""
+    if torch.is_tensor(obj):
+        yield path, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _flatten(v, path + (k,))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _flatten(v, path + (i,))
+
+
+def _skeleton(obj, device: torch.device):
+    if torch.is_tensor(obj):
+        # scalars (step counts), and host tensors of a job training on a device, travel in the object: an
+        # engine on device tensors (NCCL) may not take host ones
+        return _Tensor(obj, inline=obj.numel() <= 1 or (obj.device.type == "cpu" and device.type != "cpu"))
+    if isinstance(obj, dict):
+        return {k: _skeleton(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_skeleton(v, device) for v in obj)
+    return obj
+
+
+def broadcast_state(comm, state: dict, root: int, device: torch.device, name: str) -> dict:
+    """``root``'s ``state`` (a nest of dicts and lists holding tensors, as ``state_dict()`` returns) on every
+    rank. Its structure and plain values travel in one small object broadcast; its tensors by value, in
+    place: coalesced by dtype into one buffer each, broadcast on ``device`` (this rank's own), never pickled
+    (which would put every rank's copy on root's device, through the host). This rank's own tensor at the
+    same place in ``state`` is overwritten where it has root's shape and dtype; elsewhere a new one is made
+    on ``device``."""
+    skeleton = comm.broadcast_object(_skeleton(state, device) if comm.rank == root else None, root)
+    moving: list = []  # the tensors that travel in place, in the skeleton's order (the same on every rank)
+    out = _fill(skeleton, dict(_flatten(state)), device, (), moving)
+    by_dtype: dict = {}
+    for t in moving:
+        if t.numel():
+            by_dtype.setdefault((t.dtype, t.device), []).append(t)
+    for k, ((dtype, dev), ts) in enumerate(sorted(by_dtype.items(), key=lambda kv: str(kv[0]))):
+        if comm.rank == root:
+            buf = torch.cat([t.detach().reshape(-1) for t in ts])
+        else:
+            buf = torch.empty(sum(t.numel() for t in ts), dtype=dtype, device=dev)
+        comm.broadcast_(buf, root, f"{name}.{k}")
+        if comm.rank != root:
+            o = 0
+            with torch.no_grad():
+                for t in ts:
+                    t.copy_(buf[o:o + t.numel()].view_as(t))
+                    o += t.numel()
+    return out
+
+
+def _fill(node, mine: dict, device: torch.device, path, moving: list):
+    """The skeleton with its tensors: carried values, this rank's own where they fit, or new ones on
+    ``device`` (those two appended to ``moving``)."""
+    if isinstance(node, _Tensor):
+        if node.value is not None:
+            return node.value
+        own = mine.get(path)
+        if own is not None and tuple(own.shape) == node.shape and own.dtype == node.dtype and own.device == device:
+            t = own
+        else:
+            t = torch.empty(node.shape, dtype=node.dtype, device=device)
+        moving.append(t)
+        return t
+    if isinstance(node, dict):
+        return {k: _fill(v, mine, device, path + (k,), moving) for k, v in node.items()}
+    if isinstance(node, (list, tuple)):
+        return type(node)(_fill(v, mine, device, path + (i,), moving) for i, v in enumerate(node))
+    return node

@@ -37,6 +37,7 @@ import socket
 
 import torch
 
+from .broadcast import broadcast_state
 from .optimizer import DistributedOptimizer
 
 __all__ = ["State", "run", "local_host_names"]
@@ -71,8 +72,10 @@ class _OptimizerHandler(StateHandler):
         self.value.load_state_dict(self._saved)
 
     def sync(self):
+        # the flat state travels in place, on each rank's own device (osp.broadcast.broadcast_state)
         opt = self.value
-        opt.load_state_dict(opt.comm.broadcast_object(opt.state_dict(), 0))
+        opt.load_state_dict(broadcast_state(opt.comm, opt.state_dict(), 0, opt.groups[0].device,
+                                            f"{opt._ctx.prefix}.elastic_sync"))
 
     def set_value(self, value):
         raise AttributeError("osp.elastic.State: an optimizer of the state cannot be replaced; build a new "

@@ -76,6 +76,8 @@ class Snapshot:
     #: a snapshot of every block asked to be carried on (DSync's): after ``correct`` it holds the state after
     #: the update, ready for the next one; ``correct`` clears it where it could not (take a new one then)
     carry: bool = False
+    #: ``ops.mask_positions(mask)`` where the caller computed them once (the kernels need not, per call)
+    positions: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -115,18 +117,20 @@ class Generic:
         """Called after every step of the wrapped optimizer and after loading its state."""
 
     def snapshot(self, fg: FlatGroup, mask: torch.Tensor, n_deferred: int, step_hyper: dict,
-                 carry: bool = False, params: Optional[List[int]] = None) -> Snapshot:
+                 carry: bool = False, params: Optional[List[int]] = None,
+                 positions: Optional[torch.Tensor] = None) -> Snapshot:
         """Before the update whose blocks outside ``mask`` (``n_deferred`` elements) ``correct`` will redo
         under ``step_hyper``; ``carry``: of every block, to be carried on (see the module docstring).
         ``params``: the parameters that may have an element outside ``mask``, where the caller knows them
         on the host (a superset is exact too: a parameter whose blocks were all in ``mask`` is stepped again
-        with the gradient it was stepped with); without it the generic way reads the mask on the host."""
+        with the gradient it was stepped with); without it the generic way reads the mask on the host.
+        ``positions``: the mask's ``ops.mask_positions``, computed once by the caller."""
         if self.whole or n_deferred == fg.padded:
             touched = list(range(len(fg.params)))
         else:
             touched = fg.touched(~mask) if params is None else list(params)
         s = self._keep(GenericSnapshot(fg=fg, mask=mask, hyper=step_hyper, numel=n_deferred, carry=carry,
-                                       touched=touched))
+                                       touched=touched, positions=positions))
         s.grad = self.workspace(fg)("snap.grad").copy_(fg.grad)
         return s
 
@@ -157,7 +161,8 @@ class Generic:
         with stepping_only(self.optimizer) as set_grad:
             for s, avg in items:
                 fg = s.fg
-                ops.merge_blocks(None, avg, s.mask, fg.block_size, s.grad, s.numel // fg.block_size)
+                ops.merge_blocks(None, avg, s.mask, fg.block_size, s.grad, s.numel // fg.block_size,
+                                 positions=s.positions)
                 self.optimizer.param_groups[fg.group_index].update(s.hyper)
                 self._restore_generic(s)
                 for i in s.touched:
@@ -285,18 +290,19 @@ class _Fused(Generic):
     def has_state(self, fg: FlatGroup) -> bool:
         return all(self.optimizer.state.get(p) for p in fg.params)
 
-    def snapshot(self, fg, mask, n_deferred, step_hyper, carry=False, params=None):
+    def snapshot(self, fg, mask, n_deferred, step_hyper, carry=False, params=None, positions=None):
         if not self.fused_ok(fg):
-            return super().snapshot(fg, mask, n_deferred, step_hyper, carry, params)
+            return super().snapshot(fg, mask, n_deferred, step_hyper, carry, params, positions)
         ws, bs = self.workspace(fg), fg.block_size
         s = FusedSnapshot(fg=fg, mask=mask, hyper=step_hyper, numel=n_deferred, carry=carry,
                           param=ws("snap.param", n_deferred))
-        ops.split_blocks(fg.param, mask, bs, None, s.param, n_deferred // bs)
+        s.positions = positions
+        ops.split_blocks(fg.param, mask, bs, None, s.param, n_deferred // bs, positions=positions)
         flat = self.flat.get(id(fg), {}) if self.has_state(fg) else {}
         for key in self.state_keys(fg):
             if key in flat:
                 s.state[key] = ws("snap." + key, n_deferred)
-                ops.split_blocks(flat[key], mask, bs, None, s.state[key], n_deferred // bs)
+                ops.split_blocks(flat[key], mask, bs, None, s.state[key], n_deferred // bs, positions=positions)
             else:
                 s.state[key] = None  # no state before this step (its first)
         s.step = self._step_count(fg) + 1
@@ -337,9 +343,9 @@ class _Fused(Generic):
                     self._kernel(s.fg, s.param, avg, s.state, s.hyper, s.step)
                     for key, buf in s.state.items():
                         ops.merge_blocks(None, buf, s.mask, s.fg.block_size, self.flat[id(s.fg)][key],
-                                         s.numel // s.fg.block_size)
+                                         s.numel // s.fg.block_size, positions=s.positions)
                     ops.merge_blocks(None, s.param, s.mask, s.fg.block_size, s.fg.param,
-                                     s.numel // s.fg.block_size)
+                                     s.numel // s.fg.block_size, positions=s.positions)
                 if held is not None:
                     self.restore([held])
                 if carried:
@@ -359,14 +365,15 @@ class _Fused(Generic):
                 self.adopt([s.fg])
                 continue
             bs = s.fg.block_size
-            ops.merge_blocks(None, s.param, s.mask, bs, s.fg.param, s.numel // bs)
+            ops.merge_blocks(None, s.param, s.mask, bs, s.fg.param, s.numel // bs, positions=s.positions)
             self._set_count(s.fg, s.step - 1)  # the update number of the state snapshotted
             if any(buf is None for buf in s.state.values()):
                 for p in s.fg.params:  # the state begins after the snapshot
                     st.pop(p, None)
                 continue
             for key, buf in s.state.items():
-                ops.merge_blocks(None, buf, s.mask, bs, self.flat[id(s.fg)][key], s.numel // bs)
+                ops.merge_blocks(None, buf, s.mask, bs, self.flat[id(s.fg)][key], s.numel // bs,
+                                 positions=s.positions)
 
     def update(self, items, step_hyper, absent=()):
         generic, gabsent = [], []
@@ -423,7 +430,7 @@ class FusedSGD(_Fused):
                            snap_mom, avg, s.mask, s.fg.block_size, lr=float(h["lr"]), momentum=momentum,
                            dampening=h["dampening"], weight_decay=h["weight_decay"], nesterov=h["nesterov"],
                            maximize=h.get("maximize", False), first=bool(momentum) and snap_mom is None,
-                           deferred_blocks=s.numel // s.fg.block_size)
+                           deferred_blocks=s.numel // s.fg.block_size, positions=s.positions)
         return True
 
 

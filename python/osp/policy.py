@@ -84,9 +84,13 @@ class Budget:
         """Whether block scores can still matter (not once every block stays critical for good)."""
         return not (self.phase in ("fixed", "settled") and self.fraction >= 1.0)
 
+    def wants_sample(self) -> bool:
+        """Whether this step's stage 1 (run at ``step()``) is a bandwidth sample: in warmup."""
+        return self.phase == "warmup"
+
     def stage1_sample(self, nbytes: int, seconds: float, total_bytes: int) -> float:
-        """This rank's bandwidth sample from a stage 1 run at ``step()`` (0: none)."""
-        if self.phase == "warmup" and seconds > 0 and nbytes >= self.MIN_SAMPLE * total_bytes:
+        """The bandwidth sample of a stage 1 that ``wants_sample()`` (0: none)."""
+        if seconds > 0 and nbytes >= self.MIN_SAMPLE * total_bytes:
             return nbytes / seconds
         return 0.0
 
@@ -183,6 +187,7 @@ class Plan:
     crit_at: List[int]  # per bucket: its first critical block's index in the group's packed stage 1
     deferred_at: List[int]  # per bucket: likewise in the packed stage 2
     ncrit: List[int]  # per flat group: critical blocks
+    positions: Optional[torch.Tensor] = None  # ops.mask_positions(mask), once per plan (kernels take slices)
 
 
 class Split:
@@ -222,6 +227,11 @@ class Split:
         lo = self.group_lo[gi]
         return self.plan().mask[lo:lo + self.groups[gi].nblocks]
 
+    def group_positions(self, gi: int) -> torch.Tensor:
+        """``group_mask(gi)``'s positions (a slice of the plan's: the kernels count from its first entry)."""
+        lo = self.group_lo[gi]
+        return self.plan().positions[lo:lo + self.groups[gi].nblocks]
+
     def _make_plan(self) -> Plan:
         """The coming step's critical blocks: per bucket the ``budget.count`` best by the scores of the
         last averaged gradients (until there are scores, every block is critical, unless none is to be).
@@ -247,7 +257,8 @@ class Split:
             crit_at[b], deferred_at[b] = ncrit[gi], ndef[gi]
             ncrit[gi] += counts[b]
             ndef[gi] += b1 - b0 - counts[b]
-        return Plan(mask=mask, counts=counts, crit_at=crit_at, deferred_at=deferred_at, ncrit=ncrit)
+        return Plan(mask=mask, counts=counts, crit_at=crit_at, deferred_at=deferred_at, ncrit=ncrit,
+                    positions=ops.mask_positions(mask))
 
     def _quotas(self) -> List[int]:
         """Critical blocks per bucket. The bucket ready last (the first layers, at the very end of

@@ -6,6 +6,7 @@ import time
 from ..agreement import Agreement
 from ..buckets import Buckets
 from ..correction import unhooked_step
+from ..timing import traced
 from .base import Context, Mode, Options, StepInput, check_positive
 
 
@@ -52,6 +53,7 @@ class BSPMode(Mode):
     def in_flight(self):
         return self.buckets.in_flight and self._synced is None
 
+    @traced("osp.bsp.allreduce")
     def synchronize(self) -> None:
         """Finish averaging (the buckets not started yet count missing gradients as zeros) and learn
         which parameters have a gradient on no rank: those get ``grad = None``, so the update leaves

@@ -16,12 +16,13 @@ from typing import Deque, Dict, List, Optional
 
 import torch
 
-from .. import agreement
+from .. import agreement, ops
 from ..agreement import Agreement, any_rank
 from ..buckets import Buckets
 from ..comm import Handle
 from ..correction import Snapshot, corrector_for, hyper, unhooked_step
 from ..layout import EditProbe, Workspace
+from ..timing import span, traced
 from .base import Context, Mode, Options, StepInput, check_int, check_positive, edited_error
 
 
@@ -105,6 +106,7 @@ class DSyncMode(Mode):
         self._ages: Deque[int] = collections.deque(maxlen=options.window)
         # the snapshot covers every block (none is critical)
         self._none = [torch.zeros(fg.nblocks, dtype=torch.bool, device=fg.device) for fg in ctx.groups]
+        self._none_pos = [ops.mask_positions(m) for m in self._none]
         self.t = 0
         self._late_overflows = 0  # steps found skipped in flush(), not yet reported to a GradScaler
         self._arm()
@@ -156,7 +158,8 @@ class DSyncMode(Mode):
                "delay": self.delay}
         t0 = time.perf_counter()
         for s in due:
-            self.buckets.wait(s.handles, ctx.timeout, "delayed gradient allreduce")
+            with span("osp.dsync.wait"):
+                self.buckets.wait(s.handles, ctx.timeout, "delayed gradient allreduce")
             if s.arrived is None:  # it had to be waited for: a longer delay would have hidden it
                 self._ages.append(self.t - s.index + (1 if time.perf_counter() - t0 > 1e-4 else 0))
         rec["stage2_wait_s"] = time.perf_counter() - t0
@@ -206,9 +209,10 @@ class DSyncMode(Mode):
         return max(1, min(self.options.max_delay, max(self._ages, default=1)))
 
     def _take_snapshot(self) -> None:
-        self._snap = [self.corrector.snapshot(fg, m, fg.padded, {}, carry=True)
-                      for fg, m in zip(self.ctx.groups, self._none)]
+        self._snap = [self.corrector.snapshot(fg, m, fg.padded, {}, carry=True, positions=pos)
+                      for fg, m, pos in zip(self.ctx.groups, self._none, self._none_pos)]
 
+    @traced("osp.correction")
     def _apply(self, due: List[_Step], extra: Optional[torch.Tensor] = None):
         """Restore the snapshot and apply the exact updates of ``due`` (oldest first); a step whose
         average is not finite is skipped on every rank. Returns how many were skipped, and the host value
@@ -253,6 +257,7 @@ class DSyncMode(Mode):
             ctx.on_synced()
         return skipped, (None if extra_value is None else [extra_value])
 
+    @traced("osp.dsync.replay")
     def _replay(self) -> int:
         """Replay the provisional updates of the steps still in flight, on top of the exact state: each
         one's kept local gradient, under that step's hyper-parameters; a parameter without a gradient

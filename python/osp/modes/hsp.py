@@ -17,8 +17,10 @@ from typing import Optional
 
 import torch
 
+from .. import timing
 from ..agreement import Agreement
 from ..correction import unhooked_step
+from ..timing import span, traced
 from .base import Context, Mode, Options, StepInput, check_int, warn_grad_edits
 
 
@@ -59,16 +61,24 @@ class HSPMode(Mode):
         self._t_synced: Optional[float] = None  # when the last step's sum completed here
         self._lag = 0.0  # last step: how long after this rank the last one posted "ready" (s)
         self._extra_s: Optional[float] = None  # how long one extra micro-batch took here
+        # on a GPU the host only queues the work: every time HSP decides by is the device's (osp.timing)
+        self._cuda = ctx.device.type == "cuda"
+        self._t_end: Optional[float] = None  # when the last step returned (a GPU's first micro-batch's start)
 
     def step(self, inp: StepInput) -> dict:
         ctx, comm, size = self.ctx, self.ctx.comm, self.size
+        compute_s = inp.compute_s
+        if self._cuda:  # "ready" is when this rank's first micro-batch finished on the device, not queued
+            timing.Interval(ctx.device).stop().wait()
+            if self._t_end is not None:
+                compute_s = time.perf_counter() - self._t_end  # the last step ended synced with the device
         t0 = time.perf_counter()
         ready = comm.allreduce_sum_async_(self._ready.fill_(1.0), f"{ctx.prefix}.hsp.ready")
         arrival = t0 - self._t_synced if self._t_synced is not None else 0.0
         warn_grad_edits(self, inp.edited)
         passes, extras, extra_s, failure, loss = inp.passes, 0, 0.0, None, None
         if inp.closure is not None and size > 1:  # alone, nobody is waited for
-            mb = self._extra_s if self._extra_s is not None else inp.compute_s
+            mb = self._extra_s if self._extra_s is not None else compute_s
             while extras < self.options.max_extra and not self._worth_waiting(ready, t0, mb):
                 t = time.perf_counter()
                 try:
@@ -78,16 +88,18 @@ class HSPMode(Mode):
                     failure = e
                     break
                 finally:
-                    extra_s += time.perf_counter() - t
+                    extra_s += time.perf_counter() - t  # on a GPU too: _run_extra waits for the device
                 extras += 1
-        comm.wait(ready, ctx.timeout, "HSP ready")
+        with span("osp.hsp.wait"):
+            comm.wait(ready, ctx.timeout, "HSP ready")
         for fg in ctx.groups:
             fg.gather_grads()  # a missing gradient counts as zeros
         handles = [comm.allreduce_sum_async_(fg.grad, f"{ctx.prefix}.hsp.{gi}") for gi, fg in enumerate(ctx.groups)]
         handles.append(self._meta.post(passes=passes, failed=failure is not None, arrival_ms=arrival * 1e3))
         t1 = time.perf_counter()
-        for h in handles:
-            comm.wait(h, ctx.timeout, "HSP gradient allreduce")
+        with span("osp.hsp.wait"):
+            for h in handles:
+                comm.wait(h, ctx.timeout, "HSP gradient allreduce")
         t2 = time.perf_counter()
         self._t_synced = t2
         # the mean per pass at BSP's scale, unscaled for a GradScaler, in one pass over the gradients. The
@@ -97,6 +109,8 @@ class HSPMode(Mode):
         factor = torch.full_like(total, float(inp.passes)).div_(total)
         ctx.scale_grads(factor if inp.unscale is None else factor.mul_(inp.unscale.to(factor.device)))
         agreed = self._meta.result("HSP gradient allreduce", extra=[ctx.nonfinite()])
+        if self._cuda:  # the waits above only ordered the stream; the read just now synced with the device
+            t2 = self._t_synced = time.perf_counter()
         counts = [int(round(c)) for c in agreed.per_rank("passes")]
         failed = [r for r, f in enumerate(agreed.per_rank("failed")) if f > 0]
         if failure is not None:
@@ -121,6 +135,7 @@ class HSPMode(Mode):
         absent = agreed.absent()
         for fg, a in zip(ctx.groups, absent):
             fg.set_grads(a)
+        self._t_end = time.perf_counter()
         if agreed.extra[0] > 0:
             rec.update(skipped=True, overflow=True)
             return rec
@@ -130,10 +145,16 @@ class HSPMode(Mode):
         rec["overflow"] = False
         return rec
 
+    @traced("osp.hsp.extra")
     def _run_extra(self, closure):
-        """One call of the user's ``closure`` (an extra micro-batch): its backward passes and its loss."""
+        """One call of the user's ``closure`` (an extra micro-batch): its backward passes and its loss. On
+        a GPU it returns once the device ran it (polling a CUDA event), so that the next decision and the
+        micro-batch's time are the device's: otherwise the host would queue ``max_extra`` extras at once,
+        whatever the others do."""
         with self.ctx.extra_passes() as passes, torch.enable_grad():
             loss = closure()
+        if self._cuda:
+            timing.Interval(self.ctx.device).stop().wait()
         if passes() == 0:
             raise RuntimeError(
                 f"osp: the closure passed to step() returned without a backward pass reaching this optimizer's "

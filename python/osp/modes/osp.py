@@ -14,6 +14,7 @@ from ..comm import Handle
 from ..correction import Snapshot, corrector_for, hyper, unhooked_step
 from ..layout import EditProbe, Workspace
 from ..policy import Plan, Split
+from ..timing import Interval, span, traced
 from .base import Context, Mode, Options, StepInput, check_positive, check_share, edited_error, warn_grad_edits
 from .bsp import BSP, BSPMode
 
@@ -83,7 +84,7 @@ class _Stage1:
     scaled: bool  # buckets packed in backward hold the gradients scaled (GradScaler): unscale them
     handles: List[Handle] = field(default_factory=list)
     t0: float = 0.0  # when stage 1 became the step's wait (its launch at step(), less the corrections)
-    t_launch: Optional[float] = None  # when all of stage 1 started at step(): times the network
+    net: Optional[Interval] = None  # all of stage 1 started at step(): its time measures the network
 
 
 @dataclass
@@ -97,6 +98,7 @@ class _Deferred:
     absent: set  # its parameters without a gradient on any rank that step: left alone
     full: Optional[torch.Tensor] = None  # with clipping: the whole gradient (critical blocks averaged)
     ndeferred: int = 0  # blocks in ``avg`` (known on the host: checks the kernels' buffers without a sync)
+    positions: Optional[torch.Tensor] = None  # ``mask``'s (ops.mask_positions), from the plan
 
 
 class OSPMode(Mode):
@@ -123,6 +125,7 @@ class OSPMode(Mode):
                                                     "iteration_ms"), mask_blocks=self.nblocks, comm=self.comm2)
         self._ws: Dict[int, Workspace] = {id(fg): Workspace(fg) for fg in ctx.groups}
         self._none = [torch.zeros(fg.nblocks, dtype=torch.bool, device=dev) for fg in ctx.groups]
+        self._none_pos = [ops.mask_positions(m) for m in self._none]
         self._probe = EditProbe(ctx.groups)
         self._pending: List[_Deferred] = []
         # clipping by the norm of the averaged gradient, pending on stage 2: the step's update is redone for
@@ -135,11 +138,13 @@ class OSPMode(Mode):
         self.split = Split(options, ctx.groups, self.buckets.buckets, ctx.comm.size)
         self._cur = 0  # the stage-2 buffer this step's backward packs into
         self._packed: Dict[int, int] = {}  # bucket -> its gradients' versions when packed (their sum)
-        self._t_ready: Optional[float] = None  # when this step's first gradient was ready
+        # the backward windows of the last steps (from the first gradient ready to the last), in device time
+        self._bwd: List[Interval] = []
         self._backward_s = 0.0
         self._t_ends: List[float] = []  # when the last two steps returned
         self._held = False  # a sparse gradient came: nothing starts in backward until step() raises
         self._bw_sample = 0.0  # this rank's bandwidth sample of the last step, for the next side channel
+        self._net: Optional[tuple] = None  # (interval, bytes) of the last step's timed stage 1, until known
         # per bucket, its parameters' gradient aliases: to tell whether one changed after packing
         self._views = [[fg.grad_views[fg.index[id(p)]] for p in ps] for fg, _, _, ps in self.buckets.buckets]
         # per bucket, its parameters with an element in its blocks (a block may reach into the next bucket's)
@@ -179,6 +184,7 @@ class OSPMode(Mode):
         n = (fg.nblocks - self.split.plan().ncrit[gi]) * fg.block_size
         return self._ws[id(fg)](f"deferred{self._cur}", n)
 
+    @traced("osp.stage1.bucket")
     def _start(self, b: int) -> Optional[Handle]:
         """Bucket ``b``'s gradients are gathered: pack its blocks and start averaging the critical ones."""
         plan, (gi, b0, b1) = self.split.plan(), self.split.geo[b]
@@ -186,7 +192,8 @@ class OSPMode(Mode):
         bs, k, lo = fg.block_size, plan.counts[b], self.split.group_lo[gi]
         crit = self._crit(gi)[plan.crit_at[b] * bs:(plan.crit_at[b] + k) * bs]
         deferred = self._deferred(gi)[plan.deferred_at[b] * bs:(plan.deferred_at[b] + b1 - b0 - k) * bs]
-        ops.split_blocks(fg.grad[b0 * bs:b1 * bs], plan.mask[lo + b0:lo + b1], bs, crit, deferred, b1 - b0 - k)
+        ops.split_blocks(fg.grad[b0 * bs:b1 * bs], plan.mask[lo + b0:lo + b1], bs, crit, deferred, b1 - b0 - k,
+                         positions=plan.positions[lo + b0:lo + b1])
         self._packed[b] = self._grad_version(b)
         return self.ctx.comm.allreduce_avg_async_(crit, f"{self.ctx.prefix}.s1.{b}") if k else None
 
@@ -206,8 +213,8 @@ class OSPMode(Mode):
     def on_ready(self, p):
         if self._bsp is not None:
             return self._bsp.on_ready(p)
-        if self._t_ready is None:
-            self._t_ready = time.perf_counter()
+        if not self._bwd or self._bwd[-1].stopped:
+            self._bwd = self._bwd[-1:] + [Interval(self.ctx.device).start()]
         if p.grad is not None and p.grad.layout != torch.strided:
             self._held = True  # step() raises, naming the parameter; nothing more starts in backward
         if self.split.budget.in_backward and not self._held:
@@ -216,8 +223,8 @@ class OSPMode(Mode):
     def end_backward(self):
         if self._bsp is not None:
             return self._bsp.end_backward()
-        if self._t_ready is not None:
-            self._backward_s = time.perf_counter() - self._t_ready
+        if self._bwd and not self._bwd[-1].stopped:
+            self._bwd[-1].stop()
         if self.split.budget.in_backward and not self._held:  # the rest: a missing gradient counts as zeros
             self.buckets.launch(force=True)
 
@@ -225,7 +232,8 @@ class OSPMode(Mode):
         if self._bsp is not None:
             return self._bsp.restart()
         self._drop_stage1()
-        self._t_ready = None
+        if self._bwd and not self._bwd[-1].stopped:
+            self._bwd.pop()  # this step's backward starts again
         self._held = False
 
     def _drop_stage1(self) -> None:
@@ -275,8 +283,9 @@ class OSPMode(Mode):
         # a sum, divided when it lands: Horovod never fuses it with stage 1's averages (their scale
         # factors differ), which start from the backward hooks while it runs; a fusion would make the
         # reduction order, hence the rounding, depend on timing
-        h2 = {gi: self.comm2.allreduce_sum_async_(deferreds[gi], f"{ctx.prefix}.s2.{gi}")
-              for gi in launch2 if deferreds[gi].numel()}
+        with span("osp.stage2.launch"):
+            h2 = {gi: self.comm2.allreduce_sum_async_(deferreds[gi], f"{ctx.prefix}.s2.{gi}")
+                  for gi in launch2 if deferreds[gi].numel()}
         rec = self._finish_stage1(s1, crits, wait_s)
         rec["bytes_stage2"] = ctx.nbytes - rec["bytes_stage1"] if h2 else 0
         # each rank's own gradient was finite, but the sum of the critical blocks may not be (float16):
@@ -296,7 +305,8 @@ class OSPMode(Mode):
             mask = self.split.group_mask(gi)
             if s1.scaled:
                 ctx.scale_grads(inp.unscale, [crit])
-            ops.merge_blocks(crit, None, mask, fg.block_size, fg.grad, fg.nblocks - plan.ncrit[gi])
+            ops.merge_blocks(crit, None, mask, fg.block_size, fg.grad, fg.nblocks - plan.ncrit[gi],
+                             positions=self.split.group_positions(gi))
             if scoring:
                 self.split.score(crit, fg, mask, self.split.group_lo[gi])
         if clip:  # the exact factor is applied when stage 2 lands
@@ -326,19 +336,22 @@ class OSPMode(Mode):
             raise
         self.ctx.scale_grads(unscale)
 
+    @traced("osp.stage1.launch")
     def _launch_stage1(self, s1: "_Stage1", timed: bool) -> None:
         """Pack and start the buckets not started in backward (all of them while "auto" times the network,
         or when packed again): from the gradients as they are now, unscaled. ``timed``: all of stage 1
         starts here, so its time measures the network."""
         s1.t0 = time.perf_counter()
-        s1.t_launch = s1.t0 if timed else None
+        s1.net = Interval(self.ctx.device).start() if timed else None
         s1.handles = list(self.buckets.launch(force=True))
 
+    @traced("osp.side_channel")
     def _agree(self, s1: "_Stage1", plan: Plan, edited, correct: bool):
         """Post this rank's side channel, and read every rank's sum. With ``correct``, the previous step's
         exact update runs while it is in flight (its time does not count as stage 1's)."""
         ctx = self.ctx
         iteration = self._t_ends[-1] - self._t_ends[-2] if len(self._t_ends) == 2 else 0.0
+        self._measured()
         self._side.post(plan.mask, nonfinite=ctx.nonfinite(), bandwidth_mbps=self._bw_sample / 1e6,
                         edited=edited, stale=s1.stale, backward_ms=self._backward_s * 1e3,
                         iteration_ms=iteration * 1e3)
@@ -349,16 +362,35 @@ class OSPMode(Mode):
             s1.t0 += time.perf_counter() - t0  # stage1_s: the step's time on stage 1, not on corrections
         return self._side.result("stage-1 allreduce", step=self._steps + 1)
 
+    def _measured(self) -> None:
+        """This rank's measurements for the side channel, from the device's time where it is known (a GPU
+        queues the work: the host's clock would time the queueing): the last backward window and the
+        bandwidth sample of the last timed stage 1."""
+        for iv in reversed(self._bwd):
+            sec = iv.seconds()
+            if sec is not None:
+                self._backward_s = sec
+                break
+        if self._net is not None:
+            sec = self._net[0].seconds()
+            if sec is not None:
+                self._bw_sample = self.split.budget.stage1_sample(self._net[1], sec, self.ctx.nbytes)
+                self._net = None
+
+    @traced("osp.stage1.wait")
     def _finish_stage1(self, s1: "_Stage1", crits: List[torch.Tensor], wait_s: float) -> dict:
         """Wait for stage 1's averages; the step's record so far, and this rank's bandwidth sample."""
         ctx = self.ctx
         self.buckets.wait(s1.handles, ctx.timeout, "stage-1 allreduce")
         t2 = time.perf_counter()
         b1 = sum(c.numel() * c.element_size() for c in crits)
-        self._bw_sample = self.split.budget.stage1_sample(b1, t2 - s1.t_launch, ctx.nbytes) if s1.t_launch else 0.0
+        # a bandwidth sample (in warmup): read once the device got past the stage-1 wait (on a GPU, by the
+        # next side channel: a read of this step comes after it)
+        self._bw_sample = 0.0
+        self._net = (s1.net.stop(), b1) if s1.net is not None and self.split.budget.wants_sample() else None
+        self._measured()  # on a CPU known at once
         self.buckets.reset()
         self._packed = {}
-        self._t_ready = None
         return {"stage2_wait_s": wait_s, "stage1_s": t2 - s1.t0, "bytes_stage1": b1,
                 "critical_fraction": b1 / max(ctx.nbytes, 1)}
 
@@ -370,14 +402,17 @@ class OSPMode(Mode):
             group = ctx.optimizer.param_groups[fg.group_index]
             mask = self.split.group_mask(gi)
             if clip:  # the whole step is redone once the norm is known
-                snap = self.corrector.snapshot(fg, self._none[gi], fg.padded, hyper(group))
+                snap = self.corrector.snapshot(fg, self._none[gi], fg.padded, hyper(group),
+                                               positions=self._none_pos[gi])
                 full = self._ws[id(fg)]("full").copy_(fg.grad)
             else:
                 snap = self.corrector.snapshot(fg, mask, deferreds[gi].numel(), hyper(group),
-                                               params=self._deferred_params(gi, plan))
+                                               params=self._deferred_params(gi, plan),
+                                               positions=self.split.group_positions(gi))
                 full = None
             self._pending.append(_Deferred(snap=snap, lo=self.split.group_lo[gi], handle=h2.get(gi),
                                            avg=deferreds[gi], mask=mask, absent=absent[gi], full=full,
+                                           positions=self.split.group_positions(gi),
                                            ndeferred=fg.nblocks - plan.ncrit[gi]))
         if launch2:
             self._cur ^= 1  # the next backward packs into the other stage-2 buffer
@@ -416,6 +451,7 @@ class OSPMode(Mode):
             out.append(None if m is None else torch.ones_like(m) if self._clip is not None else ~m)
         return out
 
+    @traced("osp.stage2.wait")
     def _wait_deferred(self) -> float:
         """Wait for the previous step's stage 2 (the averages land in place); returns the wait."""
         self._probe.clear()
@@ -427,6 +463,7 @@ class OSPMode(Mode):
                 d.handle = None  # landed and divided
         return time.perf_counter() - t0 if self._pending else 0.0
 
+    @traced("osp.correction")
     def _correct_deferred(self) -> None:
         """Replace the provisional update of the previous step's deferred blocks (their averages
         landed) by the exact one. Afterwards every rank holds bitwise the same parameters and state."""
@@ -446,7 +483,8 @@ class OSPMode(Mode):
         items = [(d.snap, d.avg) for d in self._pending]
         if self._clip is not None:  # the exact factor, from the whole averaged gradient (every group's)
             for d in self._pending:
-                ops.merge_blocks(None, d.avg, d.mask, d.snap.fg.block_size, d.full, d.ndeferred)
+                ops.merge_blocks(None, d.avg, d.mask, d.snap.fg.block_size, d.full, d.ndeferred,
+                                 positions=d.positions)
             self.ctx.clip_(self._clip, [d.full for d in self._pending], [d.absent for d in self._pending])
             items = [(d.snap, d.full) for d in self._pending]
         for d in self._pending:

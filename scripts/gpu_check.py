@@ -9,7 +9,8 @@ does not stop the steps after it, and the exit status is 1 when any failed:
   2. build      FORCE_CUDA=1 python setup.py build_ext --inplace, for the device's architecture only;
                 then torch.ops.osp must have CUDA kernels (osp.ops._CUDA_BUILT) and one must run
   3. tests      pytest on the CUDA cases: tests/test_ops.py -k cuda, tests/test_optimizer.py -k cuda,
-                tests/test_cuda.py (no -x; JUnit XML and -rA summaries in build/gpu-check/)
+                tests/test_cuda.py, tests/test_broadcast.py and tests/test_timing.py -k cuda (no -x; JUnit
+                XML and -rA summaries in build/gpu-check/)
   4. bench      bench/kernels.py --device cuda: each kernel's GB/s against copy_ of the same bytes and
                 against the device's peak; score/split_blocks on 100M fp32 elements with one block of the
                 whole tensor against blocks of 4096
@@ -49,7 +50,8 @@ STEPS = [
      "seconds"),
     ("build", "FORCE_CUDA=1 python setup.py build_ext --inplace for the device's arch (TORCH_CUDA_ARCH_LIST); "
               "torch.ops.osp has CUDA kernels (osp.ops._CUDA_BUILT) and one runs", "2-4 minutes"),
-    ("tests", "pytest tests/test_ops.py -k cuda; tests/test_optimizer.py -k cuda; tests/test_cuda.py "
+    ("tests", "pytest tests/test_ops.py -k cuda; tests/test_optimizer.py -k cuda; tests/test_cuda.py; "
+              "tests/test_broadcast.py and tests/test_timing.py -k cuda "
               "(no -x; JUnit XML and -rA summaries in build/gpu-check/)", "2-4 minutes"),
     ("bench", "bench/kernels.py --device cuda: GB/s of each kernel against copy_ and the device's peak; "
               "score/split_blocks on 100M fp32 elements, one block of the whole tensor against blocks of 4096",
@@ -64,6 +66,9 @@ TEST_RUNS = [
     ("test_ops.py -k cuda", ["tests/test_ops.py", "-k", "cuda"], 240),
     ("test_optimizer.py -k cuda", ["tests/test_optimizer.py", "-k", "cuda"], 120),
     ("test_cuda.py", ["tests/test_cuda.py"], 300),
+    # a CUDA rank's state broadcast onto its own device; CUDA-event intervals time the device
+    ("test_broadcast.py, test_timing.py -k cuda",
+     ["tests/test_broadcast.py", "tests/test_timing.py", "-k", "cuda"], 120),
 ]
 BUILD_TIMEOUT = 420  # bounds against a hang, well above the times STEPS gives
 BENCH_TIMEOUT = 240

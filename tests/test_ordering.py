@@ -59,7 +59,7 @@ class InOrderComm(TorchComm):
                     return False
         return super().poll(handle)
 
-    def late(self, timeout):
+    def late(self, timeout, device=None):
         # the engine's second communicator (a process group of its own) is in order too
         if self._late_comm is None:
             self._late_comm = InOrderComm(dist.new_group(), self.log)

@@ -12,6 +12,7 @@ import abc
 import datetime
 import os
 import time
+import warnings
 from typing import Any, Dict, Optional
 
 import torch
@@ -81,12 +82,12 @@ class Comm(abc.ABC):
         passed first."""
         raise NotImplementedError
 
-    def late(self, timeout: float) -> "Comm":
+    def late(self, timeout: float, device: Optional[torch.device] = None) -> "Comm":
         """A communicator for collectives that complete behind the next step's (OSP's stage 2): one
         whose collectives an engine that runs a communicator's collectives in issue order (NCCL, one
         stream per process group) does not queue the next step's first collectives behind. Made once
         per ``Comm`` (every rank calls it at the same point, as it may be a collective); this one by
-        default, where the engine offers nothing better."""
+        default, where the engine offers nothing better. ``device``: where the tensors live."""
         return self
 
     def _finish(self, handle: Handle) -> torch.Tensor:
@@ -218,6 +219,23 @@ class HorovodComm(Comm):
     def elastic(self):
         return os.environ.get("HOROVOD_ELASTIC") == "1"  # set by horovodrun for elastic workers
 
+    _warned_streams = False
+
+    def late(self, timeout, device=None):
+        """Horovod has no second communicator of the same ranks (no duplicate process sets): this one. Its
+        NCCL path runs its collectives round-robin over HOROVOD_NUM_NCCL_STREAMS streams (default 1, where
+        stage 1 queues behind the last stage 2); said once on GPUs when it is 1."""
+        if device is not None and device.type == "cuda" and not HorovodComm._warned_streams \
+                and os.environ.get("HOROVOD_NUM_NCCL_STREAMS", "1").strip() == "1":
+            HorovodComm._warned_streams = True
+            warnings.warn(
+                "osp: Horovod runs its NCCL collectives on one stream (HOROVOD_NUM_NCCL_STREAMS=1), in issue order, "
+                "so OSP's stage 1 of a step waits behind the last step's stage 2. Launch with horovodrun "
+                "--num-nccl-streams 2 (or set HOROVOD_NUM_NCCL_STREAMS=2 before hvd.init()), or use the "
+                "torch.distributed backend, where stage 2 has a process group of its own", RuntimeWarning,
+                stacklevel=4)
+        return self
+
     def check_dtype(self, dtype, what):
         if dtype == torch.bfloat16:  # Horovod 0.28 has no bfloat16 collectives, on CPUs or GPUs
             raise ValueError(f"osp: {what} is bfloat16, which Horovod cannot allreduce; use float32 or "
@@ -275,7 +293,7 @@ class TorchComm(Comm):
             handle.tensor.div_(self.size)
         return True
 
-    def late(self, timeout):
+    def late(self, timeout, device=None):
         """A second process group of the same ranks (made once, a collective of every rank): ProcessGroupNCCL
         runs one group's collectives in issue order on one stream, so OSP's stage 2 of step t would hold
         back stage 1 of step t+1 on the default group. Within a subgroup (``group=``), the subgroup."""

@@ -115,7 +115,7 @@ class OSPMode(Mode):
         self.corrector = corrector_for(ctx.optimizer)
         # stage 2 on a communicator of its own: an engine that runs a communicator's collectives in issue
         # order (NCCL) must not queue the next step's stage-1 buckets behind this step's stage 2
-        self.comm2 = ctx.comm.late(ctx.timeout)
+        self.comm2 = ctx.comm.late(ctx.timeout, ctx.device)
         dev = ctx.device
         self.nblocks = ctx.nblocks
         # the side channel: what every rank must agree on before the step's update. On stage 2's communicator,

@@ -75,7 +75,6 @@ class Agreed:
         lo = self._a.per_rank[name]
         return self._v[lo:lo + self._a.size]
 
-
     @property
     def presence(self) -> List[float]:
         """Per parameter (flat groups in order): how many ranks have a gradient for it."""
@@ -187,7 +186,7 @@ class Agreement:
         n = self.buf.numel()
         out = Agreed(values[:n], self, values[self._both.numel():])
         if self._checksum is not None:
-            own = values[self.buf.numel():]
+            own = values[n:]
             for k in _CHECKSUMS:
                 t, o = out.total(k), own[self.fields[k]]
                 if round(t) != round(o) * self.size:

@@ -26,49 +26,51 @@ class Interval:
     """The time between ``start()`` and ``stop()`` on ``device``'s current stream: a host clock on a CPU,
     CUDA events on a GPU (``seconds()`` is None until the device got to ``stop()``)."""
 
-    __slots__ = ("cuda", "_t0", "_t1", "_e0", "_e1")
+    __slots__ = ("cuda", "_begin", "_end")
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-        self._t0 = self._t1 = None
-        self._e0 = self._e1 = None
+        self._begin = self._end = None  # perf_counter() values on a CPU, recorded CUDA events on a GPU
+
+    def _mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
 
     def start(self) -> "Interval":
-        if self.cuda:
-            self._e0 = torch.cuda.Event(enable_timing=True)
-            self._e0.record()
-        else:
-            self._t0 = time.perf_counter()
-        self._e1 = self._t1 = None
+        self._begin, self._end = self._mark(), None
         return self
 
     @property
     def stopped(self) -> bool:
-        return self._e1 is not None or self._t1 is not None
+        return self._end is not None
 
     def stop(self) -> "Interval":
-        if self.cuda:
-            self._e1 = torch.cuda.Event(enable_timing=True)
-            self._e1.record()
-        else:
-            self._t1 = time.perf_counter()
+        self._end = self._mark()
         return self
 
     def seconds(self) -> Optional[float]:
         """The interval, once known (None before ``stop()``, and on a GPU before the device got there)."""
-        if self.cuda:
-            if self._e0 is None or self._e1 is None or not self._e1.query():
-                return None
-            return self._e0.elapsed_time(self._e1) * 1e-3
-        if self._t0 is None or self._t1 is None:
+        if self._begin is None or self._end is None:
             return None
-        return self._t1 - self._t0
+        if self.cuda:
+            return self._begin.elapsed_time(self._end) * 1e-3 if self._end.query() else None
+        return self._end - self._begin
 
-    def wait(self, pause: float = 5e-5) -> float:
+    def wait(self, pause: float = 5e-5) -> Optional[float]:
         """Poll until the device got to ``stop()`` (a CPU is there already); the interval."""
         if self.cuda:
-            wait_done(self._e1, pause)
+            wait_done(self._end, pause)
         return self.seconds()
+
+
+def wait_here(device: torch.device) -> None:
+    """On a GPU, poll until the device ran everything queued so far on the current stream (no sync);
+    nothing on a CPU, where the work ran when it was called."""
+    if device.type == "cuda":
+        Interval(device).stop().wait()
 
 
 def wait_done(event, pause: float = 5e-5) -> None:

@@ -163,8 +163,8 @@ class DSyncMode(Mode):
             if s.arrived is None:  # it had to be waited for: a longer delay would have hidden it
                 self._ages.append(self.t - s.index + (1 if time.perf_counter() - t0 > 1e-4 else 0))
         rec["stage2_wait_s"] = time.perf_counter() - t0
-        skipped, read_with = self._apply(due, own_nonfinite) if due else (0, None)
-        finite = not (read_with[0] if read_with is not None else agreement.read(own_nonfinite.reshape(1))[0])
+        skipped, own = self._apply(due, own_nonfinite) if due else (0, None)
+        finite = not (own if own is not None else agreement.read(own_nonfinite.reshape(1))[0])
         # a GradScaler backs off once per step that reports an overflow: one skipped step each
         pending = self._late_overflows + skipped
         rec.update(skipped=skipped, overflow=pending > 0)
@@ -255,7 +255,7 @@ class DSyncMode(Mode):
             self.corrector.restore(self._snap)
         if self.options.delay != "auto":  # every rank is at this point of the same step
             ctx.on_synced()
-        return skipped, (None if extra_value is None else [extra_value])
+        return skipped, extra_value
 
     @traced("osp.dsync.replay")
     def _replay(self) -> int:

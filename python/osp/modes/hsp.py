@@ -69,7 +69,7 @@ class HSPMode(Mode):
         ctx, comm, size = self.ctx, self.ctx.comm, self.size
         compute_s = inp.compute_s
         if self._cuda:  # "ready" is when this rank's first micro-batch finished on the device, not queued
-            timing.Interval(ctx.device).stop().wait()
+            timing.wait_here(ctx.device)
             if self._t_end is not None:
                 compute_s = time.perf_counter() - self._t_end  # the last step ended synced with the device
         t0 = time.perf_counter()
@@ -154,7 +154,7 @@ class HSPMode(Mode):
         with self.ctx.extra_passes() as passes, torch.enable_grad():
             loss = closure()
         if self._cuda:
-            timing.Interval(self.ctx.device).stop().wait()
+            timing.wait_here(self.ctx.device)
         if passes() == 0:
             raise RuntimeError(
                 f"osp: the closure passed to step() returned without a backward pass reaching this optimizer's "

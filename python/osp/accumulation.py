@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import weakref
 from contextlib import contextmanager
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -21,7 +21,10 @@ from .layout import FlatGroup
 
 
 class Accumulation:
-    def __init__(self, groups: List[FlatGroup], passes_per_step: int, mode):
+    def __init__(self, groups: List[FlatGroup], passes_per_step: int, mode,
+                 prescale: Optional[Callable[[], float]] = None):
+        """``prescale``: the factor every pass's gradient gets before it accumulates into ``.grad``
+        (``keywords.Reduction``: op=Sum, gradient_predivide_factor), asked for at each pass."""
         self.groups, self.passes_per_step, self.mode = groups, passes_per_step, mode
         self.fresh = False  # a backward reached the parameters since the last step
         self.max_norm: Optional[float] = None  # opt.clip_grad_norm_ asked for the coming step
@@ -45,6 +48,12 @@ class Accumulation:
                 fn(p)
 
         self._hooks = [p.register_post_accumulate_grad_hook(hook) for fg in groups for p in fg.params]
+        if prescale is not None:
+            def scale(g, prescale=prescale):
+                f = prescale()
+                return None if f == 1.0 else g * f
+
+            self._hooks += [p.register_hook(scale) for fg in groups for p in fg.params]
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
@@ -73,7 +82,8 @@ class Accumulation:
             # G's backward ran through D, or after D's average): the step's accumulation starts again
             self.restart()
             n = 0
-        if p.grad is not alias and p.grad.layout == torch.strided:  # sparse ones raise in step()
+        # a sparse gradient is gathered when made dense (sparse_as_dense), else refused in step()
+        if p.grad is not alias and (p.grad.layout == torch.strided or fg.sparse_as_dense):
             fg.gather_grads([p])
         fg.absent.discard(i)  # it has a gradient now (a bucket started before may have found none)
         n += 1

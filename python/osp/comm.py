@@ -127,6 +127,18 @@ class Comm(abc.ABC):
         return True
 
     @property
+    def ranks_key(self) -> tuple:
+        """Which ranks this communicator spans, as a key: the optimizers built on one set of ranks are
+        counted apart from those on another (a Horovod process set's optimizers are built by its ranks
+        only)."""
+        return (self.name,)
+
+    @property
+    def prefix(self) -> str:
+        """How the names of an optimizer's collectives begin (then its number among ``ranks_key``'s)."""
+        return "osp"
+
+    @property
     def elastic(self) -> bool:
         """Whether ranks may join while others train (Horovod Elastic): then no collective may run
         outside the elastic run function."""
@@ -180,24 +192,47 @@ class Comm(abc.ABC):
 class HorovodComm(Comm):
     name = "horovod"
 
-    def __init__(self):
+    def __init__(self, process_set=None):
+        """``process_set``: a Horovod ProcessSet this rank belongs to (``hvd.DistributedOptimizer``'s
+        ``process_set=``); every collective runs on it, and ``rank`` / ``size`` are within it."""
         import horovod.torch as hvd
 
         if not hvd.is_initialized():
             raise RuntimeError("osp: backend 'horovod' needs hvd.init() first")
         super().__init__()
         self.hvd = hvd
+        self.ps = hvd.global_process_set if process_set is None else process_set
+        if self.ps is not hvd.global_process_set:
+            if self.ps.process_set_id is None:
+                raise ValueError(f"osp: process_set {self.ps} is not registered with Horovod (pass it to hvd.init("
+                                 "process_sets=[...]) or hvd.add_process_set() first)")
+            if not self.ps.included():
+                raise ValueError(f"osp: this rank ({hvd.rank()}) is not in process_set {self.ps.ranks}; build the "
+                                 "optimizer only on the ranks of its process set")
 
     @property
     def rank(self) -> int:
-        return self.hvd.rank()
+        return self.ps.rank()
 
     @property
     def size(self) -> int:
-        return self.hvd.size()
+        return self.ps.size()
+
+    @property
+    def ranks_key(self) -> tuple:
+        return (self.name, self.ps.process_set_id)
+
+    @property
+    def prefix(self) -> str:
+        return "osp" if self.ps is self.hvd.global_process_set else f"osp.set{self.ps.process_set_id}."
+
+    def _root(self, root: int) -> int:
+        # osp's roots are ranks within the communicator, Horovod's are global ranks
+        return root if self.ps is self.hvd.global_process_set else sorted(self.ps.ranks)[root]
 
     def _start(self, tensor, name, average):
-        return self.hvd.allreduce_async_(tensor, name=name, op=self.hvd.Average if average else self.hvd.Sum)
+        return self.hvd.allreduce_async_(tensor, name=name, op=self.hvd.Average if average else self.hvd.Sum,
+                                         process_set=self.ps)
 
     def _complete(self, handle, timeout=None):
         # Horovod's synchronize() has no timeout: bound it by polling first (its torch ops block the
@@ -243,13 +278,26 @@ class HorovodComm(Comm):
 
     def broadcast_object(self, obj, root=0):
         # Horovod names the collective after type(obj) unless told: ranks passing None would hang
-        return self.hvd.broadcast_object(obj, root_rank=root, name="osp.broadcast_object")
+        return self.hvd.broadcast_object(obj, root_rank=self._root(root), name="osp.broadcast_object",
+                                         process_set=self.ps)
 
     def broadcast_(self, tensor, root, name):
-        self.hvd.broadcast_(tensor, root, name=name)
+        self.hvd.broadcast_(tensor, self._root(root), name=name, process_set=self.ps)
 
     def allgather_object(self, obj):
-        return self.hvd.allgather_object(obj)
+        if self.ps is self.hvd.global_process_set:
+            return self.hvd.allgather_object(obj)
+        # Horovod 0.28's allgather_object has no process_set: the same, on the set
+        import pickle
+
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        sizes = self.hvd.allgather(torch.tensor([data.numel()]), name="osp.allgather_object.sz", process_set=self.ps)
+        gathered = self.hvd.allgather(data, name="osp.allgather_object.t", process_set=self.ps)
+        out, o = [], 0
+        for n in sizes.tolist():
+            out.append(pickle.loads(gathered[o:o + n].numpy().tobytes()))
+            o += n
+        return out
 
 
 class TorchComm(Comm):

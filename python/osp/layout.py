@@ -44,6 +44,7 @@ class FlatGroup:
         # backward accumulating into it) show in that gradient's ``_version`` alone
         self.grad_views = [self._alias(self.grad, i) for i in range(len(params))]
         self.absent: set = set()  # parameters whose gradient was None when gathered this step
+        self.sparse_as_dense = False  # a sparse gradient is made dense when gathered (else refused)
         # first and last block of each parameter, to find the parameters a block set touches
         self.block_span = [(o // block_size, (o + max(p.numel(), 1) - 1) // block_size)
                            for p, o in zip(params, self.offsets)]
@@ -73,9 +74,12 @@ class FlatGroup:
                 self.absent.add(i)
                 continue
             elif g.layout != torch.strided:
-                raise ValueError(
-                    f"osp: parameter {self.names[i]!r} has a sparse gradient (layout {g.layout}); "
-                    "osp averages dense gradients only (use a dense embedding, sparse=False)")
+                if not self.sparse_as_dense:
+                    raise ValueError(
+                        f"osp: parameter {self.names[i]!r} has a sparse gradient (layout {g.layout}); "
+                        "osp averages dense gradients: pass sparse_as_dense=True (as with Horovod), or use a "
+                        "dense embedding (sparse=False)")
+                gv.copy_(g.to_dense())
             elif g.data_ptr() != gv.data_ptr() or g.shape != gv.shape:
                 gv.copy_(g)
             p.grad = gv

@@ -70,6 +70,9 @@ class Context:
     #: a context manager an extra micro-batch runs in (``Accumulation.extra``): its backward passes add
     #: to the step beyond ``backward_passes_per_step``; it yields a callable counting them
     extra_passes: Optional[Callable] = None
+    #: the factor the average gets after its allreduce (``gradient_predivide_factor``; modes with
+    #: ``grad_is_average`` only, the others are built with 1.0)
+    postscale: float = 1.0
 
     @property
     def nparams(self) -> int:

@@ -65,6 +65,7 @@ class BSPMode(Mode):
         handles = list(self.buckets.launch(force=True))
         handles.append(self._present.post())
         self.buckets.wait(handles, ctx.timeout, "gradient allreduce")
+        ctx.scale_grads(ctx.postscale)  # gradient_predivide_factor: the sum was of gradients / factor
         for fg, a in zip(ctx.groups, self._present.result("gradient allreduce").absent()):
             fg.set_grads(a)
         self._synced = time.perf_counter() - t0

@@ -1,0 +1,134 @@
+"""``hvd.DistributedOptimizer``'s keywords, with Horovod's meaning in osp (README, "Coming from Horovod").
+
+``DistributedOptimizer`` takes every keyword of Horovod 0.28's ``hvd.DistributedOptimizer``, so that
+switching is the one-line swap. This module validates them (a clear error naming what was expected and
+what was got) and says what each becomes:
+
+- ``op`` and ``gradient_predivide_factor``: a ``Reduction``. ``op=hvd.Sum`` makes the step apply the sum
+  of the ranks' gradients: each backward pass's gradient is multiplied by the number of ranks where it
+  arrives (a tensor hook, before it accumulates into ``.grad``), so every mode's average is the sum
+  (bitwise, for a power-of-two number of ranks) and OSP's local estimate of the deferred part is at the
+  sum's scale too. ``gradient_predivide_factor=f`` divides each gradient by ``f`` on arrival and
+  multiplies the average by ``f`` after it, as Horovod's pre- and postscale factors do (BSP: the one mode where the
+  average is a single allreduce). ``hvd.Adasum`` is refused.
+- ``compression``: ``hvd.Compression.none`` (or None); others are refused until osp compresses.
+- ``groups``: validated as Horovod does, then left to osp's buckets (``bucket_mb``), which already fuse
+  the gradients into allreduces of a chosen size in the order backward produces them.
+- ``sparse_as_dense``: a sparse gradient is made dense where it enters osp's flat gradient.
+- ``process_set``: a Horovod process set; the optimizer's collectives run on it (``HorovodComm``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+AVERAGE, SUM = "average", "sum"
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """How the ranks' gradients combine into the one a step applies."""
+
+    op: str = AVERAGE
+    predivide: float = 1.0
+
+    def prescale(self, size: int) -> float:
+        """The factor each backward pass's gradient gets where it arrives (1.0: none)."""
+        return float(size) if self.op == SUM else 1.0 / self.predivide
+
+    @property
+    def postscale(self) -> float:
+        """The factor the average gets after the allreduce (BSP)."""
+        return self.predivide
+
+    def __repr__(self):
+        return f"Reduction(op={self.op!r}, gradient_predivide_factor={self.predivide:g})"
+
+
+def _horovod_ops():
+    try:
+        import horovod.torch as hvd
+    except ImportError:
+        return {}
+    return {hvd.Average: AVERAGE, hvd.Sum: SUM, hvd.Adasum: "adasum"}
+
+
+def reduction(op, gradient_predivide_factor) -> Reduction:
+    """``op``: ``hvd.Average`` / ``hvd.Sum`` (or "average" / "sum"); ``hvd.Adasum`` is refused."""
+    if isinstance(op, str) and op.lower() in (AVERAGE, SUM):
+        name = op.lower()
+    else:
+        name = None
+        if isinstance(op, int) and not isinstance(op, bool):
+            name = _horovod_ops().get(op)
+        if name == "adasum":
+            raise ValueError("osp: op=hvd.Adasum is not supported: Adasum combines gradients by a nonlinear rule, "
+                             "so OSP's exact correction (and DSync's late averages) have nothing linear to correct "
+                             "with; use op=hvd.Average (the default) or hvd.Sum, or hvd.DistributedOptimizer for Adasum")
+        if name is None:
+            raise ValueError(f"osp: op must be hvd.Average or hvd.Sum (or 'average' / 'sum'), got {op!r}")
+    f = gradient_predivide_factor
+    if isinstance(f, bool) or not isinstance(f, (int, float)) or not f > 0 or f != f or f == float("inf"):
+        raise ValueError(f"osp: gradient_predivide_factor must be a positive number, got {f!r}")
+    if float(f) != 1.0 and name != AVERAGE:
+        raise ValueError("osp: gradient_predivide_factor is for op=hvd.Average only (as in Horovod), got "
+                         f"gradient_predivide_factor={f!r} with op=hvd.Sum")
+    return Reduction(name, float(f))
+
+
+def check_compression(compression) -> None:
+    """None or ``hvd.Compression.none`` (its class, as Horovod passes it, or an instance)."""
+    if compression is None:
+        return
+    cls = compression if isinstance(compression, type) else type(compression)
+    if cls.__name__ == "NoneCompressor" and cls.__module__.startswith("horovod."):
+        return
+    raise ValueError(
+        f"osp: compression={getattr(cls, '__qualname__', cls)!r} is not supported yet: osp sends gradients in "
+        "their own dtype. Pass compression=hvd.Compression.none (the default), or train with float16 / "
+        "bfloat16 parameters, whose gradients travel in that dtype")
+
+
+def check_groups(groups, optimizer: torch.optim.Optimizer) -> None:
+    """Horovod's rules: a positive integer, or lists of the optimizer's parameters, each at most once."""
+    if groups is None:
+        return
+    if isinstance(groups, bool) or not (isinstance(groups, list) or (isinstance(groups, int) and groups > 0)):
+        raise ValueError(f"osp: groups must be a positive integer or a list of lists of parameters, got {groups!r}")
+    if isinstance(groups, int):
+        return
+    mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    seen = set()
+    for inner in groups:
+        if not isinstance(inner, (list, tuple)):
+            raise ValueError(f"osp: groups must be a list of lists of parameters, got an element {inner!r}")
+        for p in inner:
+            if not isinstance(p, torch.Tensor):
+                raise ValueError(f"osp: groups must consist of torch.Tensor, got {type(p).__name__}")
+            if id(p) in seen:
+                raise ValueError("osp: a parameter can only appear once in groups")
+            if id(p) not in mine:
+                raise ValueError("osp: groups holds a tensor that is not a parameter of the optimizer")
+            seen.add(id(p))
+
+
+def backend_for(backend, process_set):
+    """The backend to build the optimizer's communicator from: ``process_set`` (a Horovod ProcessSet)
+    means Horovod on that set."""
+    if process_set is None:
+        return backend
+    try:
+        import horovod.torch as hvd
+    except ImportError:
+        raise ValueError("osp: process_set is a Horovod process set, but Horovod is not installed") from None
+    if not isinstance(process_set, hvd.ProcessSet):
+        raise ValueError(f"osp: process_set must be a horovod ProcessSet, got {process_set!r}")
+    if process_set is hvd.global_process_set:
+        return backend
+    if backend not in ("auto", "horovod"):
+        raise ValueError(f"osp: process_set is a Horovod process set; it needs backend='auto' or 'horovod', got "
+                         f"backend={backend!r}")
+    from .comm import HorovodComm
+
+    return HorovodComm(process_set)

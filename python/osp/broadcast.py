@@ -30,15 +30,16 @@ def broadcast_parameters(params, root_rank: int = 0, backend="auto") -> None:
 
 def broadcast_optimizer_state(optimizer, root_rank: int = 0, backend="auto") -> None:
     """Make every rank's optimizer state (and hyper-parameters) equal to ``root_rank``'s: a
-    ``torch.optim`` optimizer's, or the optimizer a ``DistributedOptimizer`` wraps (call ``flush()``
-    first: its state must hold exact updates). A rank whose state is not made yet (no step so far) gets
+    ``torch.optim`` optimizer's, or a ``DistributedOptimizer``'s: the wrapped optimizer's and osp's own
+    (call ``flush()`` first: its state must hold exact updates). A rank whose state is not made yet (no step so far) gets
     root's. The state tensors travel in place, on each rank's own device (``broadcast_state``)."""
     if isinstance(optimizer, DistributedOptimizer):
-        comm, inner, device = optimizer.comm, optimizer.optimizer, optimizer.groups[0].device
+        # its state_dict() holds osp's own part too (OSP's scores and budget decide the next split)
+        comm, device = optimizer.comm, optimizer.groups[0].device
     else:
-        comm, inner = get_comm(backend), optimizer
-        device = next((p.device for g in inner.param_groups for p in g["params"]), torch.device("cpu"))
-    optimizer.load_state_dict(broadcast_state(comm, inner.state_dict(), root_rank, device, "osp.bcast_state"))
+        comm = get_comm(backend)
+        device = next((p.device for g in optimizer.param_groups for p in g["params"]), torch.device("cpu"))
+    optimizer.load_state_dict(broadcast_state(comm, optimizer.state_dict(), root_rank, device, "osp.bcast_state"))
 
 
 class _Tensor:

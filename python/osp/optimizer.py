@@ -13,6 +13,7 @@ synchronization to the mode (``osp/modes/<mode>.py``).
 from __future__ import annotations
 
 import itertools
+import sys
 import time
 import warnings
 import weakref
@@ -22,14 +23,17 @@ from typing import Callable, Optional
 
 import torch
 
-from . import amp, parameters, teardown
+from . import amp, keywords, parameters, teardown
 from .accumulation import Accumulation
 from .comm import Comm, get_comm
+from .correction import unhooked_step
 from .modes.base import Context, Mode, StepInput
 from .modes.osp import OSP
 from .steplog import StepLog
 
-_UIDS = itertools.count()  # optimizers built in this process: names their collectives apart
+# optimizers built in this process, per set of ranks (``Comm.ranks_key``): names their collectives apart
+_UIDS: dict = {}
+_CLASSES: dict = {}  # the wrapped optimizer's class -> its DistributedOptimizer subclass (``__new__``)
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -50,20 +54,51 @@ class DistributedOptimizer(torch.optim.Optimizer):
         on_synced: called with this optimizer wherever every rank holds bitwise the same parameters
             and optimizer state (after each step's exact corrections, and in ``flush()``); e.g. to
             checksum replicas. ``None``: nothing is called.
+        compression, op, gradient_predivide_factor, groups, sparse_as_dense, process_set:
+            ``hvd.DistributedOptimizer``'s keywords with Horovod's meaning (``osp.keywords``; README,
+            "Coming from Horovod").
+
+    The wrapper is an instance of the wrapped optimizer's class too (``isinstance(opt, torch.optim.SGD)``),
+    as Horovod's is: its class is ``Distributed<Name>``, a subclass of this class and of the optimizer's,
+    made once per optimizer class. Nothing of the wrapped class runs on the wrapper (no ``__init__``, and
+    this class's methods come first); its instance attributes are read through.
 
     Parameters are moved into one flat buffer per param group and dtype (they become views into it);
     gradients too. All ranks must build the optimizer with the same parameters (checked here; under
     Horovod Elastic by ``osp.elastic.State`` when it syncs).
     """
 
+    def __new__(cls, optimizer=None, *args, **kwargs):
+        base = type(optimizer)
+        if (cls is DistributedOptimizer and isinstance(optimizer, torch.optim.Optimizer)
+                and not isinstance(optimizer, DistributedOptimizer) and base is not torch.optim.Optimizer):
+            if base not in _CLASSES:
+                _CLASSES[base] = type(f"Distributed{base.__name__}", (DistributedOptimizer, base),
+                                      {"__module__": __name__, "__doc__": DistributedOptimizer.__doc__})
+            cls = _CLASSES[base]
+        return object.__new__(cls)
+
     def __init__(self, optimizer: torch.optim.Optimizer, named_parameters=None, sync=None,
                  backend="auto", backward_passes_per_step: int = 1, timeout: float = 600.0,
-                 on_synced: Optional[Callable[["DistributedOptimizer"], None]] = None):
+                 on_synced: Optional[Callable[["DistributedOptimizer"], None]] = None,
+                 compression=None, op="average", gradient_predivide_factor: float = 1.0, groups=None,
+                 sparse_as_dense: bool = False, process_set=None):
         # Composition, not Optimizer.__init__: the wrapped optimizer owns param_groups and state.
         if isinstance(optimizer, DistributedOptimizer):
             raise TypeError("osp: the optimizer is already a DistributedOptimizer")
         sync = parameters.check_arguments(optimizer, OSP() if sync is None else sync, backward_passes_per_step,
                                           timeout, on_synced)
+        # Horovod's keywords, and the names: wrong ones raise before any engine is looked for
+        reduction = keywords.reduction(op, gradient_predivide_factor)
+        keywords.check_compression(compression)
+        keywords.check_groups(groups, optimizer)
+        if not isinstance(sparse_as_dense, bool):
+            raise ValueError(f"osp: sparse_as_dense must be True or False, got {sparse_as_dense!r}")
+        names = parameters.names(optimizer, named_parameters)
+        self.reduction = reduction
+        # Horovod's optimizer has these attributes, and code written for it reads them
+        self.op, self.gradient_predivide_factor, self.sparse_as_dense = op, gradient_predivide_factor, sparse_as_dense
+        self.process_set = process_set
         self.optimizer, self.sync, self.timeout = optimizer, sync, float(timeout)
         self.backward_passes_per_step = backward_passes_per_step
         self.on_synced = on_synced
@@ -75,29 +110,51 @@ class DistributedOptimizer(torch.optim.Optimizer):
                      "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks"):
             setattr(self, name, OrderedDict())
         self._patch_step_function()
-        self.comm: Comm = get_comm(backend)
-        names = parameters.names(optimizer, named_parameters)
-        self._signature = (names, next(_UIDS))
+        self.comm: Comm = get_comm(keywords.backend_for(backend, process_set))
+        self._signature = (names, next(_UIDS.setdefault(self.comm.ranks_key, itertools.count())))
         # under Horovod Elastic a rank may join while the others train, and no collective may run outside
         # hvd.elastic.run: osp.elastic.State's sync() runs this check on every rank, new ones too
         if not self.comm.elastic:
             self.check_world()
         self.groups, self._outside = parameters.flat_groups(optimizer, names, sync.block_size, self.comm)
+        for fg in self.groups:
+            fg.sparse_as_dense = sparse_as_dense
         self._group_shape = parameters.group_shape(optimizer)
         where = {p: (k, i) for k, fg in enumerate(self.groups) for i, p in enumerate(fg.params)}
         self._order = [where[p] for p in names if p in where]  # (flat group, parameter) in the model's order
         ref = weakref.ref(self)  # the mode must not keep the optimizer (or its accumulation) alive
         self._ctx = Context(optimizer=optimizer, groups=self.groups, comm=self.comm, timeout=self.timeout,
                             order=self._order, extra_passes=lambda ref=ref: ref()._acc.extra(),
-                            on_synced=lambda ref=ref: ref()._synced_now(), prefix=f"osp{self._signature[1]}")
+                            on_synced=lambda ref=ref: ref()._synced_now(), prefix=f"{self.comm.prefix}{self._signature[1]}",
+                            postscale=reduction.postscale)
         self.mode: Mode = sync.build(self._ctx)
-        self._acc = Accumulation(self.groups, backward_passes_per_step, self.mode)  # the hooks, last
+        if reduction.predivide != 1.0 and sync.name != "bsp":
+            raise ValueError(
+                f"osp: gradient_predivide_factor is for osp.BSP(), whose average is one allreduce of the "
+                f"gradients; with {sync!r} the average is assembled from parts (stage 1, the local estimate, "
+                "the corrections), which a pre- and postscale would not reach alike. Leave it at 1.0 or use "
+                "osp.BSP()")
+        prescale = None
+        if reduction != keywords.Reduction():
+            prescale = lambda r=reduction, ref=ref: r.prescale(ref().comm.size)  # noqa: E731 (the world may change)
+        # the hooks, last
+        self._acc = Accumulation(self.groups, backward_passes_per_step, self.mode, prescale=prescale)
         self._log = StepLog()
         self._t_end: Optional[float] = None  # when the last step returned
+        self._synchronized = False  # BSP: synchronize() ran since the last step (Horovod's warning)
+        self._skip_synchronize = False
 
     def __del__(self):
         if getattr(self, "_acc", None) is not None:
             self._acc.remove_hooks()
+
+    def __getattr__(self, name):
+        # the wrapped optimizer's own instance attributes (set by its __init__, which never runs on the
+        # wrapper): methods of its class, inherited by the wrapper, may read them
+        inner = self.__dict__.get("optimizer")
+        if inner is not None and name in vars(inner):
+            return vars(inner)[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # -- torch.optim.Optimizer surface (LR schedulers, step hooks, GradScaler) ----------------
     @property
@@ -111,6 +168,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
     @property
     def defaults(self):
         return self.optimizer.defaults
+
+    @property
+    def _parameter_names(self) -> dict:
+        """``{parameter: name}``, as Horovod's optimizer has it (names from ``named_parameters``, else
+        Horovod's ``allreduce.noname.<g>.<i>``)."""
+        return dict(self._signature[0])
 
     def __repr__(self):
         return f"osp.DistributedOptimizer({self.sync!r}, backend={self.comm.name!r}, {self.optimizer!r})"
@@ -147,8 +210,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
                              f"{self.sync!r} call loss.backward() then step()")
         if closure is not None and not callable(closure):
             raise TypeError(f"osp: step(closure) expects a callable, got {closure!r}")
+        if not self._acc.fresh and closure is None and _horovod_frame(_HVD_STATE_BROADCAST) is not None:
+            return self._init_state_for_horovod()
         parameters.check_model(self.optimizer, self._group_shape, self.groups, self._outside)
         self._acc.check_fresh()
+        if self._synchronized and not self._skip_synchronize:
+            warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
+                          "optimizer.synchronize(). This can cause training slowdown. You may want to consider "
+                          "using optimizer.skip_synchronize() context if you use optimizer.synchronize() in "
+                          "your code.", UserWarning, stacklevel=3)
+        self._synchronized = False
         t0 = time.perf_counter()
         inp = StepInput(compute_s=(t0 - self._t_end) if self._t_end is not None else 0.0,
                         max_norm=self._acc.max_norm, passes=self.backward_passes_per_step, closure=closure)
@@ -173,6 +244,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._log.record(rec)
         return loss
 
+    def _init_state_for_horovod(self) -> None:
+        """``hvd.broadcast_optimizer_state`` on an optimizer without state sets every gradient to zeros and
+        calls ``step()`` to have the state made, then broadcasts it: a local step of the wrapped optimizer
+        (as Horovod does for its own optimizer), no collective. The zero gradients go back into osp's flat
+        gradient, and the mode takes the new state over. The parameters are put back as they were: with
+        weight decay (or ASGD's averaging) a zero-gradient step moves them, and only on the ranks without
+        state, which would leave the replicas apart after ``broadcast_parameters`` (Horovod's does that)."""
+        kept = [fg.param.clone() for fg in self.groups]
+        unhooked_step(self.optimizer)
+        for fg, p in zip(self.groups, kept):
+            fg.param.copy_(p)
+            fg.gather_grads()
+        self.mode.load_state_dict({})
+
     @staticmethod
     def _warn_skipped():
         warnings.warn("osp: non-finite gradient on some rank; step skipped on every rank",
@@ -186,18 +271,32 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def synchronize(self) -> None:
         """BSP: make sure ``.grad`` holds the average (it does once the step's last backward pass has
-        returned); Horovod's contract, with ``skip_synchronize()``."""
+        returned); Horovod's contract, with ``skip_synchronize()``. OSP, DSync and HSP refuse it: their
+        average is only complete inside (or after) ``step()``, so an edit of ``.grad`` between the two
+        could not act on it; ``clip_grad_norm_`` is the exact alternative for clipping."""
         self._acc.check_fresh()
         if not self.mode.grad_is_average:
-            raise RuntimeError(f"osp: synchronize() is for BSP; with {self.sync!r} the gradient a step applies "
-                               "is only known inside step()")
+            raise RuntimeError(
+                f"osp: synchronize() is for osp.BSP(): with {self.sync!r} the average gradient is only complete "
+                "inside step() (the deferred part arrives while the next step computes), so .grad cannot be "
+                "edited as the average between synchronize() and step(). To clip, replace Horovod's idiom "
+                "`opt.synchronize(); torch.nn.utils.clip_grad_norm_(params, max_norm); with "
+                "opt.skip_synchronize(): opt.step()` with `opt.clip_grad_norm_(max_norm); opt.step()`: the "
+                "step then applies exactly the averaged gradient clipped by its 2-norm. For other edits of "
+                "the average use osp.BSP()")
         self.mode.synchronize()
+        self._synchronized = True
 
     @contextmanager
     def skip_synchronize(self):
-        """Horovod's ``with opt.skip_synchronize(): opt.step()`` after ``synchronize()``: accepted as is;
-        ``step()`` never averages twice (BSP's average is finished once per step)."""
-        yield
+        """Horovod's ``with opt.skip_synchronize(): opt.step()`` after ``synchronize()``: the step applies
+        ``.grad`` as it is (BSP's average is finished once per step; ``step()`` never averages twice).
+        Without it, ``step()`` after ``synchronize()`` warns, as Horovod's does."""
+        self._skip_synchronize = True
+        try:
+            yield
+        finally:
+            self._skip_synchronize = False
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False):
         """Clip the gradient by the norm of the *averaged* gradient, as ``torch.nn.utils.clip_grad_norm_``
@@ -275,19 +374,62 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # -- checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """The wrapped optimizer's state plus osp's own. Call ``flush()`` (on every rank) first."""
+        """The wrapped optimizer's state dict (``state``, ``param_groups``: what Horovod's
+        ``broadcast_optimizer_state`` reads and writes in place) plus osp's own under ``"osp"``. Call
+        ``flush()`` (on every rank) first."""
         if self.mode.in_flight:
             raise RuntimeError("osp: state_dict() with stage-2 work in flight: call flush() on every "
                                "rank first, so the state holds exact updates")
-        out = {"optimizer": self.optimizer.state_dict(), "osp": {"sync": repr(self.sync)}}
-        out["osp"].update(self.mode.state_dict())
+        frame = _horovod_frame(_HVD_STATE_BROADCAST)
+        if frame is not None and "state_dict" not in frame.f_locals:
+            # hvd.broadcast_optimizer_state's first read (every rank's, at the same point): it sends the
+            # wrapped optimizer's state only, so osp's own part (OSP's scores and budget: the next split)
+            # goes from root here, or a rank that loaded a checkpoint would split unlike the others
+            root = frame.f_locals.get("root_rank", 0)
+            mine = self._own_state() if self.comm.rank == root else None
+            theirs = self.comm.broadcast_object(mine, root)
+            if self.comm.rank != root:
+                self.mode.load_state_dict(theirs)
+        out = dict(self.optimizer.state_dict())
+        out["osp"] = self._own_state()
         return out
+
+    def _own_state(self) -> dict:
+        return {"sync": repr(self.sync), **self.mode.state_dict()}
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a ``state_dict()`` of this class, or a plain state dict of the wrapped optimizer
         (e.g. from a run with ``hvd.DistributedOptimizer``)."""
         if self.mode.in_flight:
             raise RuntimeError("osp: load_state_dict() with stage-2 work in flight: call flush() first")
-        ours = "optimizer" in state_dict and "osp" in state_dict
-        self.optimizer.load_state_dict(state_dict["optimizer"] if ours else state_dict)
-        self.mode.load_state_dict(state_dict["osp"] if ours else {})
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"osp: load_state_dict() expects a dict (a state_dict()), got {type(state_dict).__name__}")
+        if "optimizer" in state_dict and "osp" in state_dict:  # the layout of osp 0.x before Horovod parity
+            inner, ours = state_dict["optimizer"], state_dict["osp"]
+        else:
+            inner = {k: v for k, v in state_dict.items() if k != "osp"}
+            ours = state_dict.get("osp", {})
+        self.optimizer.load_state_dict(inner)
+        self.mode.load_state_dict(ours)
+
+
+
+_HVD_STATE_BROADCAST = ("horovod.torch.functions", "broadcast_optimizer_state")
+
+
+def _horovod_frame(where) -> Optional[object]:
+    """The frame of Horovod's function ``where`` (module, name) if it is calling us (through torch's step
+    wrappers: a few frames up), else None. Horovod's ``broadcast_optimizer_state`` calls ``state_dict()``
+    on every rank, and ``step()`` on the ranks without state, to have it made."""
+    module = sys.modules.get(where[0])
+    code = getattr(getattr(module, where[1], None), "__code__", None)
+    if code is None:
+        return None
+    f = sys._getframe(2)
+    for _ in range(8):
+        if f is None:
+            return None
+        if f.f_code is code:
+            return f
+        f = f.f_back
+    return None

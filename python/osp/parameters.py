@@ -21,6 +21,10 @@ def check_arguments(optimizer, sync, passes, timeout, on_synced):
     """``DistributedOptimizer``'s arguments, each a clear error naming what was expected; returns ``sync``."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"osp: expected a torch.optim.Optimizer to wrap, got {type(optimizer).__name__}")
+    if isinstance(optimizer, torch.optim.SparseAdam):
+        raise ValueError("osp: torch.optim.SparseAdam steps sparse gradients only, and osp averages dense ones "
+                         "(in flat buffers): use torch.optim.Adam, with sparse_as_dense=True for a sparse "
+                         "embedding (as with Horovod's sparse_as_dense)")
     if not isinstance(sync, Options):
         raise TypeError(f"osp: sync must be osp.BSP(), osp.OSP(...), osp.DSync(...) or osp.HSP(...), got {sync!r}")
     if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
@@ -35,12 +39,12 @@ def check_arguments(optimizer, sync, passes, timeout, on_synced):
 def names(optimizer: torch.optim.Optimizer, named_parameters) -> Dict[torch.nn.Parameter, str]:
     """Every parameter of ``optimizer`` with its name, in the model's order (``named_parameters``;
     clipping sums the parameters' norms in the order torch's would take them), or in the param groups'
-    order as ``group{g}.param{i}`` without names."""
+    order as Horovod names them without names, ``allreduce.noname.{g}.{i}`` (param group g, its i-th)."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if len({id(p) for p in params}) != len(params):
         raise ValueError("osp: a parameter appears more than once in the optimizer's param_groups")
     if named_parameters is None:
-        return {p: f"group{gi}.param{i}" for gi, g in enumerate(optimizer.param_groups)
+        return {p: f"allreduce.noname.{gi}.{i}" for gi, g in enumerate(optimizer.param_groups)
                 for i, p in enumerate(g["params"])}
     named = list(named_parameters)
     if any(not isinstance(t, tuple) or len(t) != 2 for t in named):
@@ -51,7 +55,8 @@ def names(optimizer: torch.optim.Optimizer, named_parameters) -> Dict[torch.nn.P
         seen[n] = seen.get(n, 0) + 1
     dups = sorted(n for n, c in seen.items() if c > 1)
     if dups:
-        raise ValueError(f"osp: parameter names must be unique, got duplicates {dups}")
+        raise ValueError(f"osp: parameter names in named_parameters must be unique. Found duplicates: "
+                         f"{', '.join(dups)}")
     by_id = {id(p): n for n, p in named}
     missing = [i for i, p in enumerate(params) if id(p) not in by_id]
     if missing:

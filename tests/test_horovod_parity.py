@@ -1,0 +1,159 @@
+"""The drop-in for Horovod: Horovod 0.28.1's own optimizer tests, restated in tests/workers/hvd_parity_worker.py
+with osp.DistributedOptimizer in place of hvd.DistributedOptimizer, on 2 ranks under horovodrun for every
+mode; and hvd.DistributedOptimizer's keywords checked in this process."""
+import os
+
+import pytest
+import torch
+
+import launch
+import osp
+
+WORKER = os.path.join(launch.HERE, "workers", "hvd_parity_worker.py")
+MODES = ["bsp", "osp-auto", "osp-0.25", "dsync-2"]
+# every scenario of the worker leaves at least these checks (one that stopped early records an error)
+EXPECTED = {"broadcast_state_no_grad/replicas", "dynamic_requires_grad/replicas", "gradient_clipping/update",
+            "no_named_parameters/names", "optimizer_no_named_parameters/alike", "sparse_embeddings/sparse_adam_refused",
+            "op/sum_is_average_times_size", "op/adasum_refused", "compression/fp16_refused", "groups/duplicate"}
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("mode", MODES)
+def test_horovods_optimizer_tests_pass_in_every_mode(mode, tmp_path):
+    proc = launch.run("horovod", 2, [WORKER, mode, str(tmp_path)], timeout=400,
+                      env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"})
+    launch.check(proc)
+    results = launch.rank_results(tmp_path, 2, proc)
+    for r in results:
+        missing = EXPECTED - set(r["checks"])
+        assert not missing, f"rank {r['rank']} did not run {sorted(missing)}"
+        assert any(k.startswith("broadcast_state/SGD/") for k in r["checks"])
+        assert any(k.startswith("force_allreduce/Adam/") for k in r["checks"])
+
+
+def sgd(model=None):
+    model = model or torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def test_duplicate_names_raise_before_any_engine_is_needed():
+    # Horovod's test_duplicate_names: no engine is initialized here, and the names are checked first
+    a, b = torch.nn.Conv2d(1, 1, 1), torch.nn.Conv2d(1, 1, 1)
+    opt = torch.optim.SGD(list(a.parameters()) + list(b.parameters()), lr=0.1)
+    named = list(a.named_parameters()) + list(b.named_parameters())
+    with pytest.raises(ValueError, match="Found duplicates: bias, weight"):
+        osp.DistributedOptimizer(opt, named_parameters=named)
+
+
+@pytest.mark.parametrize("kwargs, pattern", [
+    (dict(op="max"), "op must be hvd.Average or hvd.Sum"),
+    (dict(op=True), "op must be"),
+    (dict(op="sum", gradient_predivide_factor=2.0), "for op=hvd.Average only"),
+    (dict(gradient_predivide_factor=0.0), "positive number"),
+    (dict(gradient_predivide_factor=float("nan")), "positive number"),
+    (dict(compression="fp16"), "compression"),
+    (dict(groups=0), "groups must be"),
+    (dict(groups=[[torch.zeros(1)]]), "not a parameter of the optimizer"),
+    (dict(groups=["x"]), "list of lists"),
+    (dict(sparse_as_dense=1), "sparse_as_dense must be True or False"),
+    (dict(process_set="evens"), "horovod ProcessSet"),
+])
+def test_horovod_keywords_bad_values_are_named(kwargs, pattern):
+    _, opt = sgd()
+    with pytest.raises(ValueError, match=pattern):
+        osp.DistributedOptimizer(opt, **kwargs)
+
+
+def test_sparse_adam_is_refused_with_the_alternative():
+    emb = torch.nn.Embedding(5, 2, sparse=True)
+    with pytest.raises(ValueError, match="use torch.optim.Adam, with sparse_as_dense=True"):
+        osp.DistributedOptimizer(torch.optim.SparseAdam(list(emb.parameters())), sparse_as_dense=True)
+
+
+def test_wrapper_is_an_instance_of_the_wrapped_class(one_rank):
+    model, opt = sgd()
+    d = osp.DistributedOptimizer(opt, sync=osp.BSP())
+    assert isinstance(d, torch.optim.SGD) and isinstance(d, osp.DistributedOptimizer)
+    assert type(d).__name__ == "DistributedSGD"
+    # one class per wrapped class, and nothing of SGD runs on the wrapper: its step is osp's
+    _, opt2 = sgd()
+    assert type(osp.DistributedOptimizer(opt2, sync=osp.BSP())) is type(d)
+    assert type(d).step.__qualname__.startswith("DistributedOptimizer.step")
+    adam = osp.DistributedOptimizer(torch.optim.Adam(torch.nn.Linear(2, 2).parameters()))
+    assert isinstance(adam, torch.optim.Adam) and not isinstance(adam, torch.optim.SGD)
+
+
+def test_a_custom_optimizers_attributes_read_through(one_rank):
+    class Custom(torch.optim.SGD):
+        def __init__(self, params, **kw):
+            super().__init__(params, **kw)
+            self.extra = 3
+
+        def extra_twice(self):
+            return 2 * self.extra
+
+    model = torch.nn.Linear(2, 2)
+    d = osp.DistributedOptimizer(Custom(model.parameters(), lr=0.1), sync=osp.BSP())
+    assert isinstance(d, Custom) and d.extra_twice() == 6
+    with pytest.raises(AttributeError, match="no attribute 'missing'"):
+        d.missing
+
+
+def test_no_names_are_horovods(one_rank):
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3))
+    opt = torch.optim.SGD([{"params": model[0].parameters()}, {"params": model[1].parameters()}], lr=0.1)
+    d = osp.DistributedOptimizer(opt, sync=osp.BSP())
+    assert list(d._parameter_names.values()) == ["allreduce.noname.0.0", "allreduce.noname.0.1",
+                                                 "allreduce.noname.1.0", "allreduce.noname.1.1"]
+    assert list(d._parameter_names) == list(model.parameters())
+
+
+@pytest.mark.parametrize("sync", [osp.BSP(), osp.OSP(critical=0.25)], ids=["bsp", "osp"])
+def test_state_dict_is_the_optimizers_with_osps_part(one_rank, sync):
+    model, opt = sgd()
+    d = osp.DistributedOptimizer(opt, sync=sync)
+    model(torch.randn(2, 3)).sum().backward()
+    d.step()
+    d.flush()
+    sd = d.state_dict()
+    assert set(sd) == {"state", "param_groups", "osp"}
+    # live: the state tensors are the optimizer's own (what hvd.broadcast_optimizer_state writes into)
+    assert sd["state"][0]["momentum_buffer"] is opt.state[opt.param_groups[0]["params"][0]]["momentum_buffer"]
+    before = [p.detach().clone() for p in model.parameters()]
+    d.load_state_dict(sd)  # this layout, the layout before (optimizer/osp) and a plain one all load
+    d.load_state_dict({"optimizer": opt.state_dict(), "osp": sd["osp"]})
+    d.load_state_dict(opt.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    with pytest.raises(TypeError, match="expects a dict"):
+        d.load_state_dict([1])
+
+
+def test_synchronize_then_step_warns_like_horovod_and_skip_synchronize_does_not(one_rank):
+    import warnings
+
+    model, opt = sgd()
+    d = osp.DistributedOptimizer(opt, sync=osp.BSP())
+    for skip in (False, True):
+        model(torch.randn(2, 3)).sum().backward()
+        d.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if skip:
+                with d.skip_synchronize():
+                    d.step()
+            else:
+                d.step()
+        assert len(caught) == (0 if skip else 1), [str(w.message) for w in caught]
+        d.zero_grad()
+
+
+@pytest.mark.parametrize("sync", [osp.OSP(critical=0.25), osp.DSync(delay=1), osp.HSP()],
+                         ids=["osp", "dsync", "hsp"])
+def test_synchronize_outside_bsp_names_the_exact_alternative(one_rank, sync):
+    model, opt = sgd()
+    d = osp.DistributedOptimizer(opt, sync=sync)
+    model(torch.randn(2, 3)).sum().backward()
+    with pytest.raises(RuntimeError, match=r"opt\.clip_grad_norm_\(max_norm\); opt\.step\(\)"):
+        d.synchronize()
+    d.step()
+    d.flush()

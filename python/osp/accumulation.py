@@ -38,6 +38,7 @@ class Accumulation:
         self._versions: Optional[List[tuple]] = None  # (is its alias, version) of each gradient then
         self._in_extra = False  # an extra micro-batch (HSP's step(closure)) is running
         self._extra_passes = 0  # passes that ended inside extra micro-batches
+        self._no_sync = False  # inside no_sync(): passes accumulate locally and do not count
         # the hooks hold this object weakly: a dropped optimizer must not keep reacting to backward
         # (e.g. starting collectives) when the model is wrapped again
         ref = weakref.WeakMethod(self.on_grad)
@@ -70,6 +71,9 @@ class Accumulation:
         self.fresh = True
         fg, i = self._where[p]
         alias, n = fg.grad_views[i], self._passes.get(p, 0)
+        if self._no_sync:
+            self._accumulate_unsynced(fg, i, p, alias)
+            return
         changed = n and (p.grad is not alias or alias._version != self._seen[p] + 1)
         if changed and self._in_extra:
             self._task = None
@@ -107,8 +111,40 @@ class Accumulation:
         if n == self.passes_per_step and not self._in_extra:
             self.mode.on_ready(p)
 
+    def _accumulate_unsynced(self, fg: FlatGroup, i: int, p, alias) -> None:
+        """A pass inside ``no_sync()``: the gradient stays in ``.grad`` (osp's flat gradient), to be
+        averaged with the first pass outside, which counts as the step's; nothing starts."""
+        if self._backwards >= self.passes_per_step:
+            self._task = None
+            raise RuntimeError(
+                f"osp: parameter {fg.names[i]!r} got a gradient inside no_sync() after the step's last counted "
+                f"backward pass (of backward_passes_per_step={self.passes_per_step}), whose averages have "
+                "started; run the no_sync() passes before it, as with DDP, or call step() first")
+        if p.grad is not alias and (p.grad.layout == torch.strided or fg.sparse_as_dense):
+            fg.gather_grads([p])
+        fg.absent.discard(i)
+        if p in self._passes:  # a counted pass reached it before: its count no longer sees this change
+            self._seen[p] = alias._version
+
+    @contextmanager
+    def no_sync(self):
+        """DDP's ``no_sync()``: backward passes inside accumulate into ``.grad`` without averaging and do
+        not count toward ``backward_passes_per_step``; the next pass outside averages their sum."""
+        if self._in_extra:
+            raise RuntimeError("osp: no_sync() inside the closure passed to step(): an extra micro-batch is "
+                               "already part of the step's average")
+        if self._no_sync:
+            raise RuntimeError("osp: no_sync() entered again inside no_sync()")
+        self._no_sync = True
+        try:
+            yield
+        finally:
+            self._no_sync = False
+
     def _end_pass(self) -> None:
         self._task = None
+        if self._no_sync:
+            return
         if self._in_extra:
             self._extra_passes += 1
             return

@@ -298,6 +298,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         finally:
             self._skip_synchronize = False
 
+    def no_sync(self):
+        """``with opt.no_sync(): loss.backward()``: as DDP's ``model.no_sync()``, the passes inside
+        accumulate into ``.grad`` locally and start no collective; the first backward pass outside averages
+        their sum with its own (it counts toward ``backward_passes_per_step``, they do not). Every rank
+        must run the same number of passes outside ``no_sync()``; inside, any number."""
+        return self._acc.no_sync()
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False):
         """Clip the gradient by the norm of the *averaged* gradient, as ``torch.nn.utils.clip_grad_norm_``
         on every rank's averaged ``.grad`` does under DDP. Call between backward and ``step()``.

@@ -21,6 +21,7 @@ tables at least once, so combinations nobody listed are covered by construction.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import random
@@ -228,6 +229,9 @@ class Env:
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.opt.zero_grad(set_to_none=set_to_none)
 
+    def no_sync(self):
+        return self.opt.no_sync() if self.wrapped else contextlib.nullcontext()
+
     def clip_torch(self, m: float) -> None:
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), m)
 
@@ -314,6 +318,23 @@ def _accumulate(env, t):
     env.zero_grad()
     for k in range(env.bpps):
         env.backward(t, micro=k)
+    env.step(t)
+
+
+def _no_sync(env, t):
+    """DDP's no_sync(): two passes accumulated locally, then the step's pass (with plain torch.optim all
+    three simply accumulate); with backward_passes_per_step=2 one no_sync pass between the counted two."""
+    env.zero_grad()
+    if env.bpps == 1:
+        with env.no_sync():
+            env.backward(t, micro=0)
+            env.backward(t, micro=1)
+        env.backward(t, micro=2)
+    else:
+        env.backward(t, micro=0)
+        with env.no_sync():
+            env.backward(t, micro=1)
+        env.backward(t, micro=2)
     env.step(t)
 
 
@@ -499,6 +520,8 @@ PATTERNS: Dict[str, Pattern] = {p.name: p for p in [
     Pattern("plain", _plain),
     Pattern("accumulate-2", _accumulate, bpps=2),
     Pattern("accumulate-3", _accumulate, bpps=3),
+    Pattern("no-sync", _no_sync),
+    Pattern("no-sync-accumulate-2", _no_sync, bpps=2),
     Pattern("clip-torch", _clip_torch),
     Pattern("clip-opt", _clip_opt(0.05)),
     Pattern("clip-opt-loose", _clip_opt(50.0)),

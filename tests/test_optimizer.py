@@ -625,3 +625,19 @@ def test_auto_measures_bsp_again_when_none_of_its_iterations_counted():
         if b.phase == "settled":
             break
     assert b.phase == "settled" and b.iterations["bsp"] and b.fraction < 1.0, (b.phase, b.iterations)
+
+
+@pytest.mark.parametrize("sync", [osp.BSP(), osp.OSP(critical=0.25), osp.DSync(delay=1)], ids=["bsp", "osp", "dsync"])
+def test_no_sync_after_the_steps_last_pass_is_refused(one_rank, sync):
+    # DDP's no_sync() passes come before the pass that averages; one after it could not reach the average
+    model = tiny_model()
+    opt = osp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), sync=sync)
+    x = torch.randn(4, 12)
+    model(x).sum().backward()
+    with pytest.raises(RuntimeError, match="inside no_sync\\(\\) after the step's last counted"):
+        with opt.no_sync():
+            model(x).sum().backward()
+    with pytest.raises(RuntimeError, match="entered again"):
+        with opt.no_sync():
+            with opt.no_sync():
+                pass

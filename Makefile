@@ -37,7 +37,7 @@ mutation: install
 	$(PY) tests/mutation.py $(MUTATION_ARGS)
 
 lint:
-	$(VENV)/bin/ruff check python tests bench
+	$(VENV)/bin/ruff check python tests bench examples
 
 # Compile-check every CUDA file for sm_80 and sm_90, and the CUDA op registration against torch's
 # headers (works without a GPU and with a CPU-only torch: the one header a CPU build does not

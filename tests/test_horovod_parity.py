@@ -96,7 +96,7 @@ def test_a_custom_optimizers_attributes_read_through(one_rank):
     d = osp.DistributedOptimizer(Custom(model.parameters(), lr=0.1), sync=osp.BSP())
     assert isinstance(d, Custom) and d.extra_twice() == 6
     with pytest.raises(AttributeError, match="no attribute 'missing'"):
-        d.missing
+        _ = d.missing
 
 
 def test_no_names_are_horovods(one_rank):
@@ -157,3 +157,30 @@ def test_synchronize_outside_bsp_names_the_exact_alternative(one_rank, sync):
         d.synchronize()
     d.step()
     d.flush()
+
+
+EXAMPLE = os.path.join(os.path.dirname(launch.HERE), "examples", "horovod_digits.py")
+
+
+def _example(*args):
+    import re
+
+    proc = launch.run("horovod", 2, [EXAMPLE, *args], timeout=240)
+    found = re.findall(r"final test loss (\S+)", proc.stdout)
+    return proc, (float(found[-1]) if found else None)
+
+
+@pytest.mark.multiproc
+def test_the_horovod_style_example_with_the_swap():
+    """examples/horovod_digits.py (Horovod's pytorch_mnist.py laid out on digits, compression= passed):
+    BSP ends at exactly Horovod's test loss; OSP and DSync train (their forward passes run on the provisional
+    parameters, so their path is not BSP's); compression=fp16 is refused by name."""
+    results = {o: _example("--optimizer", o) for o in ("hvd", "bsp", "osp-0.25", "dsync-2")}
+    for proc, _ in results.values():
+        launch.check(proc)
+    loss = {o: v for o, (_, v) in results.items()}
+    assert loss["hvd"] is not None and loss["hvd"] < 0.8, loss  # it learns: 2.30 before training
+    assert loss["bsp"] == loss["hvd"], loss
+    assert loss["osp-0.25"] < 0.8 and loss["dsync-2"] < 0.8, loss
+    proc, _ = _example("--optimizer", "bsp", "--fp16-allreduce", "--epochs", "1")
+    assert proc.returncode != 0 and "compression='FP16Compressor' is not supported yet" in proc.stdout + proc.stderr

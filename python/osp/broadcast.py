@@ -31,7 +31,8 @@ def broadcast_parameters(params, root_rank: int = 0, backend="auto") -> None:
 def broadcast_optimizer_state(optimizer, root_rank: int = 0, backend="auto") -> None:
     """Make every rank's optimizer state (and hyper-parameters) equal to ``root_rank``'s: a
     ``torch.optim`` optimizer's, or a ``DistributedOptimizer``'s: the wrapped optimizer's and osp's own
-    (call ``flush()`` first: its state must hold exact updates). A rank whose state is not made yet (no step so far) gets
+    (call ``flush()`` first: its state must hold exact updates). A rank whose state is not made yet (no
+    step so far) gets
     root's. The state tensors travel in place, on each rank's own device (``broadcast_state``)."""
     if isinstance(optimizer, DistributedOptimizer):
         # its state_dict() holds osp's own part too (OSP's scores and budget decide the next split)

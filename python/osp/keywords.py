@@ -65,7 +65,8 @@ def reduction(op, gradient_predivide_factor) -> Reduction:
         if name == "adasum":
             raise ValueError("osp: op=hvd.Adasum is not supported: Adasum combines gradients by a nonlinear rule, "
                              "so OSP's exact correction (and DSync's late averages) have nothing linear to correct "
-                             "with; use op=hvd.Average (the default) or hvd.Sum, or hvd.DistributedOptimizer for Adasum")
+                             "with; use op=hvd.Average (the default) or hvd.Sum, or hvd.DistributedOptimizer "
+                             "for Adasum")
         if name is None:
             raise ValueError(f"osp: op must be hvd.Average or hvd.Sum (or 'average' / 'sum'), got {op!r}")
     f = gradient_predivide_factor

@@ -125,7 +125,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         ref = weakref.ref(self)  # the mode must not keep the optimizer (or its accumulation) alive
         self._ctx = Context(optimizer=optimizer, groups=self.groups, comm=self.comm, timeout=self.timeout,
                             order=self._order, extra_passes=lambda ref=ref: ref()._acc.extra(),
-                            on_synced=lambda ref=ref: ref()._synced_now(), prefix=f"{self.comm.prefix}{self._signature[1]}",
+                            on_synced=lambda ref=ref: ref()._synced_now(),
+                            prefix=f"{self.comm.prefix}{self._signature[1]}",
                             postscale=reduction.postscale)
         self.mode: Mode = sync.build(self._ctx)
         if reduction.predivide != 1.0 and sync.name != "bsp":

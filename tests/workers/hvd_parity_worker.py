@@ -427,8 +427,9 @@ def test_optimizer_process_sets():
                 plain.zero_grad()
                 F.mse_loss(ref(x), y, reduction="sum").backward()
                 plain.step()
-            close = all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(model.parameters(), ref.parameters()))
-            exact = all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+            pairs = list(zip(model.parameters(), ref.parameters()))
+            close = all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in pairs)
+            exact = all(torch.equal(a, b) for a, b in pairs)
             check("optimizer_process_sets/one_rank_set_is_plain_torch", exact if bsp else close)
         else:
             expect_error("optimizer_process_sets/outside_refused", ValueError, "not in process_set",

@@ -86,10 +86,7 @@ class Accumulation:
             # G's backward ran through D, or after D's average): the step's accumulation starts again
             self.restart()
             n = 0
-        # a sparse gradient is gathered when made dense (sparse_as_dense), else refused in step()
-        if p.grad is not alias and (p.grad.layout == torch.strided or fg.sparse_as_dense):
-            fg.gather_grads([p])
-        fg.absent.discard(i)  # it has a gradient now (a bucket started before may have found none)
+        self._gather(fg, i, p, alias)
         n += 1
         if n > self.passes_per_step and not self._in_extra:
             self._task = None
@@ -111,6 +108,15 @@ class Accumulation:
         if n == self.passes_per_step and not self._in_extra:
             self.mode.on_ready(p)
 
+    @staticmethod
+    def _gather(fg: FlatGroup, i: int, p, alias) -> None:
+        """``p``'s new gradient into the flat gradient, where backward made a tensor of its own (a sparse one
+        only when made dense, ``sparse_as_dense``: else refused where it is gathered, by a bucket or in
+        ``step()``)."""
+        if p.grad is not alias and (p.grad.layout == torch.strided or fg.sparse_as_dense):
+            fg.gather_grads([p])
+        fg.absent.discard(i)  # it has a gradient now (a bucket started before may have found none)
+
     def _accumulate_unsynced(self, fg: FlatGroup, i: int, p, alias) -> None:
         """A pass inside ``no_sync()``: the gradient stays in ``.grad`` (osp's flat gradient), to be
         averaged with the first pass outside, which counts as the step's; nothing starts."""
@@ -120,9 +126,7 @@ class Accumulation:
                 f"osp: parameter {fg.names[i]!r} got a gradient inside no_sync() after the step's last counted "
                 f"backward pass (of backward_passes_per_step={self.passes_per_step}), whose averages have "
                 "started; run the no_sync() passes before it, as with DDP, or call step() first")
-        if p.grad is not alias and (p.grad.layout == torch.strided or fg.sparse_as_dense):
-            fg.gather_grads([p])
-        fg.absent.discard(i)
+        self._gather(fg, i, p, alias)
         if p in self._passes:  # a counted pass reached it before: its count no longer sees this change
             self._seen[p] = alias._version
 

@@ -95,7 +95,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not isinstance(sparse_as_dense, bool):
             raise ValueError(f"osp: sparse_as_dense must be True or False, got {sparse_as_dense!r}")
         names = parameters.names(optimizer, named_parameters)
-        self.reduction = reduction
         # Horovod's optimizer has these attributes, and code written for it reads them
         self.op, self.gradient_predivide_factor, self.sparse_as_dense = op, gradient_predivide_factor, sparse_as_dense
         self.process_set = process_set

@@ -173,14 +173,15 @@ def _example(*args):
 @pytest.mark.multiproc
 def test_the_horovod_style_example_with_the_swap():
     """examples/horovod_digits.py (Horovod's pytorch_mnist.py laid out on digits, compression= passed):
-    BSP ends at exactly Horovod's test loss; OSP and DSync train (their forward passes run on the provisional
-    parameters, so their path is not BSP's); compression=fp16 is refused by name."""
-    results = {o: _example("--optimizer", o) for o in ("hvd", "bsp", "osp-0.25", "dsync-2")}
+    BSP ends at exactly Horovod's test loss; OSP trains (its forward passes run on the provisional parameters,
+    so its path is not BSP's; DSync's example runs are in the parity worker's modes); compression=fp16 is
+    refused by name."""
+    results = {o: _example("--optimizer", o) for o in ("hvd", "bsp", "osp-0.25")}
     for proc, _ in results.values():
         launch.check(proc)
     loss = {o: v for o, (_, v) in results.items()}
     assert loss["hvd"] is not None and loss["hvd"] < 0.8, loss  # it learns: 2.30 before training
     assert loss["bsp"] == loss["hvd"], loss
-    assert loss["osp-0.25"] < 0.8 and loss["dsync-2"] < 0.8, loss
+    assert loss["osp-0.25"] < 0.8, loss
     proc, _ = _example("--optimizer", "bsp", "--fp16-allreduce", "--epochs", "1")
     assert proc.returncode != 0 and "compression='FP16Compressor' is not supported yet" in proc.stdout + proc.stderr

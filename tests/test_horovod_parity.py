@@ -174,7 +174,7 @@ def _example(*args):
 def test_the_horovod_style_example_with_the_swap():
     """examples/horovod_digits.py (Horovod's pytorch_mnist.py laid out on digits, compression= passed):
     BSP ends at exactly Horovod's test loss; OSP trains (its forward passes run on the provisional parameters,
-    so its path is not BSP's; DSync's example runs are in the parity worker's modes); compression=fp16 is
+    so its path is not BSP's; DSync's is measured in README, and the parity worker runs DSync); fp16 is
     refused by name."""
     results = {o: _example("--optimizer", o) for o in ("hvd", "bsp", "osp-0.25")}
     for proc, _ in results.values():

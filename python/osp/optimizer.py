@@ -210,7 +210,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                              f"{self.sync!r} call loss.backward() then step()")
         if closure is not None and not callable(closure):
             raise TypeError(f"osp: step(closure) expects a callable, got {closure!r}")
-        if not self._acc.fresh and closure is None and _horovod_frame(_HVD_STATE_BROADCAST) is not None:
+        if not self._acc.fresh and closure is None and _horovod_state_broadcast() is not None:
             return self._init_state_for_horovod()
         parameters.check_model(self.optimizer, self._group_shape, self.groups, self._outside)
         self._acc.check_fresh()
@@ -387,7 +387,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self.mode.in_flight:
             raise RuntimeError("osp: state_dict() with stage-2 work in flight: call flush() on every "
                                "rank first, so the state holds exact updates")
-        frame = _horovod_frame(_HVD_STATE_BROADCAST)
+        frame = _horovod_state_broadcast()
         if frame is not None and "state_dict" not in frame.f_locals:
             # hvd.broadcast_optimizer_state's first read (every rank's, at the same point): it sends the
             # wrapped optimizer's state only, so osp's own part (OSP's scores and budget: the next split)
@@ -421,15 +421,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
 
 
-_HVD_STATE_BROADCAST = ("horovod.torch.functions", "broadcast_optimizer_state")
-
-
-def _horovod_frame(where) -> Optional[object]:
-    """The frame of Horovod's function ``where`` (module, name) if it is calling us (through torch's step
-    wrappers: a few frames up), else None. Horovod's ``broadcast_optimizer_state`` calls ``state_dict()``
-    on every rank, and ``step()`` on the ranks without state, to have it made."""
-    module = sys.modules.get(where[0])
-    code = getattr(getattr(module, where[1], None), "__code__", None)
+def _horovod_state_broadcast() -> Optional[object]:
+    """The frame of Horovod's ``broadcast_optimizer_state`` if it is calling us (through torch's step
+    wrappers: a few frames up), else None. It calls ``state_dict()`` on every rank, and ``step()`` on the
+    ranks without state, to have it made."""
+    functions = sys.modules.get("horovod.torch.functions")
+    code = getattr(getattr(functions, "broadcast_optimizer_state", None), "__code__", None)
     if code is None:
         return None
     f = sys._getframe(2)

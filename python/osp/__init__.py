@@ -5,7 +5,7 @@
                                    named_parameters=model.named_parameters(), sync=osp.OSP())
 """
 from . import ops
-from .broadcast import broadcast_optimizer_state, broadcast_parameters, sync_buffers
+from .broadcast import broadcast_buffers, broadcast_optimizer_state, broadcast_parameters, sync_buffers
 from .launcher import init_from_env
 from .modes import BSP, HSP, OSP, DSync
 from .optimizer import DistributedOptimizer
@@ -13,7 +13,7 @@ from .optimizer import DistributedOptimizer
 __version__ = "0.1.0"
 
 __all__ = ["ops", "BSP", "OSP", "DSync", "HSP", "DistributedOptimizer", "broadcast_parameters",
-           "broadcast_optimizer_state", "sync_buffers", "init_from_env", "__version__"]
+           "broadcast_optimizer_state", "broadcast_buffers", "sync_buffers", "init_from_env", "__version__"]
 
 
 def __getattr__(name):

@@ -2,6 +2,8 @@
 ``broadcast_parameters`` / ``broadcast_optimizer_state``, DDP's ``broadcast_buffers``)."""
 from __future__ import annotations
 
+from collections import defaultdict
+
 import torch
 
 from .comm import get_comm
@@ -13,7 +15,41 @@ def sync_buffers(module: torch.nn.Module, root_rank: int = 0, backend="auto") ->
     ``root_rank``'s, as DDP's ``broadcast_buffers`` does before each forward. Call it on every rank,
     e.g. after ``opt.flush()`` and before evaluating or checkpointing: then ``model.eval()`` predicts
     alike on every rank."""
-    broadcast_parameters(module.named_buffers(), root_rank, backend)
+    _broadcast_coalesced(get_comm(backend), [b for _, b in module.named_buffers()], root_rank, "osp.sync_buffers")
+
+
+def broadcast_buffers(module: torch.nn.Module, root_rank: int = 0, backend="auto"):
+    """DDP's ``broadcast_buffers=True`` as a hook: before each forward of ``module`` in training (``module.training``
+    and gradients enabled), every rank's buffers (BatchNorm running statistics and counters) become
+    ``root_rank``'s, so each rank's forward updates them from the same values, exactly as under DDP. The buffers
+    travel in one broadcast per dtype and device (DDP coalesces them too); a blocking collective at every
+    forward, which DDP pays as well. Call it on every rank, once; returns the hook's handle
+    (``handle.remove()`` stops it). Evaluation forwards leave the buffers alone, as DDP's do: call
+    ``osp.sync_buffers(module)`` before evaluating to start it from root's."""
+    comm = get_comm(backend)
+
+    def pre_forward(mod, args):
+        if mod.training and torch.is_grad_enabled():
+            _broadcast_coalesced(comm, [b for _, b in mod.named_buffers()], root_rank, "osp.bcast_buffers")
+
+    return module.register_forward_pre_hook(pre_forward)
+
+
+def _broadcast_coalesced(comm, tensors, root_rank: int, name: str) -> None:
+    """``tensors`` from ``root_rank``, in place: one broadcast per (dtype, device)."""
+    by_kind = defaultdict(list)
+    for t in tensors:
+        if t.numel():
+            by_kind[(t.dtype, t.device)].append(t)
+    with torch.no_grad():
+        # the same order on every rank (ranks on different GPUs differ only in the device index)
+        for k, (_, ts) in enumerate(sorted(by_kind.items(), key=lambda kv: (str(kv[0][0]), kv[0][1].type))):
+            flat = torch.cat([t.reshape(-1) for t in ts])
+            comm.broadcast_(flat, root_rank, f"{name}.{k}")
+            off = 0
+            for t in ts:
+                t.copy_(flat[off:off + t.numel()].view_as(t))
+                off += t.numel()
 
 
 def broadcast_parameters(params, root_rank: int = 0, backend="auto") -> None:

@@ -94,6 +94,44 @@ def distributed():
         check(f"osp/{sync.name}/replicas_equal_after", all(torch.equal(flat, f) for f in comm.allgather_object(flat)))
 
 
-run_all([plain, distributed])
+def buffers_like_ddp():
+    """osp.broadcast_buffers(model) keeps BatchNorm's statistics as DDP(broadcast_buffers=True) does: root's
+    before each training forward, then each rank's own batch. The BatchNorm comes first, so its statistics
+    depend on the data alone and must equal DDP's bitwise on every rank."""
+    def bn_model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.BatchNorm1d(6), torch.nn.Linear(6, 9), torch.nn.Tanh(),
+                                   torch.nn.Linear(9, 3)).to(dev)
+
+    def train(m, opt, seed=20):
+        g = torch.Generator().manual_seed(seed + rank)  # each rank its own batches: statistics differ
+        for _ in range(4):
+            opt.zero_grad()
+            x = (torch.randn(8, 6, generator=g) * (1 + rank)).to(dev)
+            torch.nn.functional.mse_loss(m(x), torch.zeros(8, 3, device=dev)).backward()
+            opt.step()
+
+    ddp_model = bn_model()
+    ddp = torch.nn.parallel.DistributedDataParallel(ddp_model, broadcast_buffers=True)
+    train(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1))
+    m = bn_model()
+    handle = osp.broadcast_buffers(m, backend=comm)
+    train(m, osp.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m.named_parameters(),
+                                      sync=osp.BSP(), backend=comm))
+    handle.remove()
+    ours, theirs = dict(m.named_buffers()), dict(ddp_model.named_buffers())
+    check("buffers/like_ddp", ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours),
+          {k: (ours[k] - theirs[k]).abs().max().item() for k in ours if ours[k].is_floating_point()})
+    # the last forward updated each rank's statistics from its own batch; eval forwards leave them alone
+    mine = torch.cat([b.float().reshape(-1).cpu() for b in m.buffers()])
+    check("buffers/differ_after_last_forward", not all(torch.equal(mine, o) for o in comm.allgather_object(mine)))
+    with torch.no_grad():
+        m.eval()(torch.randn(2, 6).to(dev))
+    osp.sync_buffers(m, backend=comm)
+    mine = torch.cat([b.float().reshape(-1).cpu() for b in m.buffers()])
+    check("buffers/sync_buffers_equal", all(torch.equal(mine, o) for o in comm.allgather_object(mine)))
+
+
+run_all([plain, distributed, buffers_like_ddp])
 save(outdir)
 shutdown(backend)

@@ -448,6 +448,32 @@ def test_bucket_ready_last_sends_only_the_floor_in_stage_1(one_rank, critical):
     opt.flush()
 
 
+@pytest.mark.parametrize("sync", [osp.BSP(bucket_mb=1e-5), osp.OSP(critical=0.25, block_size=16, bucket_mb=1e-5),
+                                  osp.DSync(delay=2, bucket_mb=1e-5)], ids=["bsp", "osp", "dsync"])
+def test_unused_parameter_does_not_hold_back_later_buckets(one_rank, sync):
+    """A parameter registered last that the loss never uses sits in the first bucket (buckets run in
+    reverse order). It must be ready when backward begins: by the time the first layer's gradient (ready
+    last) is in, every bucket has started, as DDP's find_unused_parameters gets it. Without that, the
+    first bucket waits for the end of backward and every later one waits behind it: nothing overlaps."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 5),
+                                torch.nn.Linear(5, 5))  # the last layer: never used
+    opt = osp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                   sync=sync)
+    started = []
+    model[0].weight.register_post_accumulate_grad_hook(  # after osp's hook on the same parameter
+        lambda p: started.append((len(opt.mode.buckets.launched), len(opt.mode.buckets.buckets))))
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, y = torch.randn(8, 16, generator=g), torch.randint(0, 5, (8,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model[:3](x), y).backward()
+        opt.step()
+    opt.flush()
+    assert len(started) == 3 and all(n == total and total == 6 for n, total in started), started
+    assert model[3].weight.grad is None  # left alone, as torch.optim leaves it
+
+
 def test_critical_zero_defers_everything(one_rank):
     model = tiny_model()
     opt = osp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),

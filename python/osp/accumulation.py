@@ -8,6 +8,14 @@ since a pass (a GAN's ``D.zero_grad()`` after G's backward ran through D). It al
 gradient's version when the passes ended, to tell a gradient changed in place before ``step()``
 (clipping) from a zeroed one and from a backward that came too late. HSP's extra micro-batches
 (``extra()``) add passes beyond ``backward_passes_per_step`` without telling the mode.
+
+Parameters the step's last pass will not reach are ready when that pass begins, not when it ends: at its
+first gradient, autograd says which gradient accumulators its graph will run
+(``torch._C._will_engine_execute_node``, as ``torch.autograd.graph.register_multi_grad_hook`` asks), so
+an unused parameter (a frozen branch, a head this batch skipped) does not hold back its bucket and every
+later one until backward ends. This is exact, not a guess from the step before: a parameter the graph
+will not reach gets no gradient in this pass. (A gradient that still arrives, from a backward re-entered
+inside this one, is refused.)
 """
 from __future__ import annotations
 
@@ -16,6 +24,7 @@ from contextlib import contextmanager
 from typing import Callable, Dict, List, Optional
 
 import torch
+from torch.autograd.graph import get_gradient_edge
 
 from .layout import FlatGroup
 
@@ -39,6 +48,10 @@ class Accumulation:
         self._in_extra = False  # an extra micro-batch (HSP's step(closure)) is running
         self._extra_passes = 0  # passes that ended inside extra micro-batches
         self._no_sync = False  # inside no_sync(): passes accumulate locally and do not count
+        # each parameter's gradient accumulator (held, as DDP's reducer holds them: one node for every
+        # graph), asked whether a pass will reach it; and the parameters a pass was told it will not reach
+        self._accumulators = [(p, get_gradient_edge(p).node) for fg in groups for p in fg.params]
+        self._unreached: set = set()
         # the hooks hold this object weakly: a dropped optimizer must not keep reacting to backward
         # (e.g. starting collectives) when the model is wrapped again
         ref = weakref.WeakMethod(self.on_grad)
@@ -63,13 +76,20 @@ class Accumulation:
     def on_grad(self, p: torch.Tensor) -> None:
         """A backward pass accumulated ``p``'s gradient."""
         task = torch._C._current_graph_task_id()
-        if task != self._task:  # this backward's first gradient here: finish the pass when it ends
+        first = task != self._task
+        if first:  # this backward's first gradient here: finish the pass when it ends
             self._task = task
             ref = weakref.ref(self)
             torch.autograd.Variable._execution_engine.queue_callback(
                 lambda: ref() is not None and ref()._end_pass())
         self.fresh = True
         fg, i = self._where[p]
+        if p in self._unreached and not (self._averaged or self._in_extra or self._no_sync):
+            self._task = None
+            raise RuntimeError(
+                f"osp: parameter {fg.names[i]!r} got a gradient from a backward pass other than the one its "
+                "step's averages started in, which did not reach it: a backward re-entered inside another, as "
+                "torch.utils.checkpoint(..., use_reentrant=True) does. Use use_reentrant=False")
         alias, n = fg.grad_views[i], self._passes.get(p, 0)
         if self._no_sync:
             self._accumulate_unsynced(fg, i, p, alias)
@@ -86,6 +106,8 @@ class Accumulation:
             # G's backward ran through D, or after D's average): the step's accumulation starts again
             self.restart()
             n = 0
+        if first:
+            self._ready_unreached()
         self._gather(fg, i, p, alias)
         n += 1
         if n > self.passes_per_step and not self._in_extra:
@@ -107,6 +129,17 @@ class Accumulation:
         self._seen[p] = alias._version
         if n == self.passes_per_step and not self._in_extra:
             self.mode.on_ready(p)
+
+    def _ready_unreached(self) -> None:
+        """At the first gradient of the step's last counted pass: the parameters this pass's graph will not
+        reach have had their last pass (a missing gradient counts as zeros): tell the mode now."""
+        if self._no_sync or self._in_extra or self._averaged or self._backwards + 1 < self.passes_per_step:
+            return
+        will_run = torch._C._will_engine_execute_node
+        for p, node in self._accumulators:
+            if self._passes.get(p, 0) < self.passes_per_step and p not in self._unreached and not will_run(node):
+                self._unreached.add(p)
+                self.mode.on_ready(p)
 
     @staticmethod
     def _gather(fg: FlatGroup, i: int, p, alias) -> None:
@@ -191,6 +224,7 @@ class Accumulation:
     def new_step(self) -> None:
         """Forget the passes, presence and clip request of the step being accumulated."""
         self._passes.clear()
+        self._unreached.clear()
         self._backwards = 0
         self._versions = None
         self._averaged = False

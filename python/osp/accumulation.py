@@ -265,6 +265,16 @@ class Accumulation:
                 "(e.g. model.load_state_dict(..., assign=True) or a layer replaced after wrapping): build "
                 "and wrap the optimizer after such changes")
 
+    def shadow_pass(self) -> None:
+        """``join()``: the step's backward passes, run with no gradient on this rank: every parameter is
+        ready at once (its gradient counts as zeros), in the order the buckets start."""
+        self.fresh = True
+        for fg in self.groups:
+            for p in fg.params:
+                self.mode.on_ready(p)
+        self._backwards = self.passes_per_step - 1
+        self._end_pass()
+
     @contextmanager
     def extra(self):
         """An extra micro-batch (HSP's ``step(closure)``) runs inside: its passes accumulate into

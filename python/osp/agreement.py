@@ -19,6 +19,10 @@ chose different blocks (e.g. GPUs of different generations contracting FMAs diff
     BSP:   presence
     DSync: grads_edited, params_edited, presence (one record per step in flight)
     HSP:   per rank: passes, failed, arrival_ms; presence
+
+Every per-step record (one with presence flags) also counts the ranks that have joined (``opt.join()``:
+out of data, they shadow the others' steps with no gradient); ``result()`` leaves the count in
+``ctx.joined_ranks``, read alike on every rank at the same step.
 """
 from __future__ import annotations
 
@@ -112,7 +116,7 @@ class Agreement:
         self.ctx, self.name = ctx, f"{ctx.prefix}.{name}"
         self.comm = ctx.comm if comm is None else comm
         self.size, self.rank = ctx.comm.size, ctx.comm.rank
-        names = list(fields) + (list(_CHECKSUMS) if mask_blocks else [])
+        names = list(fields) + (list(_CHECKSUMS) if mask_blocks else []) + (["joined"] if presence else [])
         self.fields: Dict[str, int] = {n: i for i, n in enumerate(names)}
         self.per_rank: Dict[str, int] = {n: len(names) + k * self.size for k, n in enumerate(per_rank)}
         self.presence_at = len(names) + len(per_rank) * self.size
@@ -143,6 +147,8 @@ class Agreement:
             self._own.copy_(buf)
         if self._presence:
             self._fill_presence(buf[self.presence_at:])
+            if self.ctx.joined:
+                buf[self.fields["joined"]].fill_(1.0)
         self.handle = self.comm.allreduce_sum_async_(buf, self.name)
         return self.handle
 
@@ -195,6 +201,8 @@ class Agreement:
                         f"this rank, {t / self.size:.3f} on average over {self.size} ranks); continuing would "
                         "make the replicas diverge. The block scores must be bitwise equal on every rank: check "
                         "that all ranks run the same osp, torch and hardware kind")
+        if self._presence:
+            self.ctx.joined_ranks = int(round(out.total("joined")))
         return out
 
 

@@ -328,6 +328,35 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._acc.max_norm = float(max_norm)
         return None
 
+    @torch.no_grad()
+    def join(self) -> None:
+        """This rank is out of data (DDP's ``Join``, Horovod's ``hvd.join()``): until every rank has joined,
+        it takes part in the others' steps with no gradient of its own (zeros in the average, which stays
+        divided by the number of ranks, as DDP's ``divide_by_initial_world_size`` and Horovod's join do;
+        under HSP it adds no micro-batch), applying the same updates, so the replicas stay bitwise equal.
+        Returns on every rank at the same step, once the last rank has joined, after ``flush()``.
+
+        Meanwhile the ranks still training may call ``step()`` (and what leads to it) only: a collective
+        of their own (``flush()``, ``state_dict()`` of a mode with work in flight, a metric's allreduce)
+        would meet a step's on the joined ranks. Call ``join()`` after ``step()``, not between a backward
+        and its step."""
+        if self._acc.fresh:
+            raise RuntimeError("osp: join() after a backward pass whose step() has not run: call step() first, "
+                               "then join()")
+        ctx = self._ctx
+        ctx.joined = True
+        try:
+            while True:
+                self.zero_grad(set_to_none=True)
+                self._acc.shadow_pass()
+                self.step()
+                if ctx.joined_ranks >= self.comm.size or ctx.device.type == "meta":
+                    break
+            self.flush()
+        finally:
+            ctx.joined = False
+            self.zero_grad(set_to_none=True)
+
     @property
     def in_flight(self) -> bool:
         """Whether collectives or exact corrections of earlier steps are pending (``flush()`` ends them)."""

@@ -73,6 +73,10 @@ class Context:
     #: the factor the average gets after its allreduce (``gradient_predivide_factor``; modes with
     #: ``grad_is_average`` only, the others are built with 1.0)
     postscale: float = 1.0
+    #: this rank has joined (``DistributedOptimizer.join()``): its steps shadow the others' with no gradient
+    joined: bool = False
+    #: how many ranks had joined, as the last per-step record read said (``agreement.Agreement``)
+    joined_ranks: int = 0
 
     @property
     def nparams(self) -> int:

@@ -76,8 +76,9 @@ class HSPMode(Mode):
         ready = comm.allreduce_sum_async_(self._ready.fill_(1.0), f"{ctx.prefix}.hsp.ready")
         arrival = t0 - self._t_synced if self._t_synced is not None else 0.0
         warn_grad_edits(self, inp.edited)
-        passes, extras, extra_s, failure, loss = inp.passes, 0, 0.0, None, None
-        if inp.closure is not None and size > 1:  # alone, nobody is waited for
+        # a rank that joined (out of data) adds no micro-batch: the mean is over the others' passes
+        passes, extras, extra_s, failure, loss = 0 if ctx.joined else inp.passes, 0, 0.0, None, None
+        if inp.closure is not None and size > 1 and not ctx.joined:  # alone, nobody is waited for
             mb = self._extra_s if self._extra_s is not None else compute_s
             while extras < self.options.max_extra and not self._worth_waiting(ready, t0, mb):
                 t = time.perf_counter()
@@ -106,7 +107,7 @@ class HSPMode(Mode):
         # factor is computed on the device from the summed counts (in double, as a number would be), so the
         # step reads the host once: the sum's record with the scaled gradients' non-finite flag
         total = self._meta.per_rank_on_device("passes").double().sum()
-        factor = torch.full_like(total, float(inp.passes)).div_(total)
+        factor = torch.full_like(total, float(inp.passes)).div_(total.clamp(min=1.0))  # 0: every rank joined
         ctx.scale_grads(factor if inp.unscale is None else factor.mul_(inp.unscale.to(factor.device)))
         agreed = self._meta.result("HSP gradient allreduce", extra=[ctx.nonfinite()])
         if self._cuda:  # the waits above only ordered the stream; the read just now synced with the device

@@ -474,6 +474,25 @@ def test_unused_parameter_does_not_hold_back_later_buckets(one_rank, sync):
     assert model[3].weight.grad is None  # left alone, as torch.optim leaves it
 
 
+@pytest.mark.parametrize("sync", [osp.BSP(), osp.OSP(critical=0.25, block_size=16), osp.DSync(delay=2)],
+                         ids=["bsp", "osp", "dsync"])
+def test_reentrant_checkpoint_is_refused(one_rank, sync):
+    """torch.utils.checkpoint(..., use_reentrant=True) runs the segment's backward as a backward of its own,
+    which the outer pass's graph does not show: its parameters' gradients would come after their bucket
+    started. Refused with the way out, never averaged without them."""
+    import torch.utils.checkpoint as cp
+
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(6, 8), torch.nn.Linear(8, 3)
+    model = torch.nn.Sequential(a, b)
+    opt = osp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                   sync=sync)
+    x = torch.randn(4, 6, requires_grad=True)
+    with pytest.raises(RuntimeError, match="use_reentrant=False"):
+        b(cp.checkpoint(a, x, use_reentrant=True)).sum().backward()
+    opt.zero_grad()  # the optimizer (whose hooks raised) lives to here
+
+
 def test_critical_zero_defers_everything(one_rank):
     model = tiny_model()
     opt = osp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),

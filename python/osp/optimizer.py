@@ -344,7 +344,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise RuntimeError("osp: join() after a backward pass whose step() has not run: call step() first, "
                                "then join()")
         ctx = self._ctx
-        ctx.joined = True
+        ctx.joined, ctx.joined_ranks = True, 0  # a count left from an earlier join() must not end this one
         try:
             while True:
                 self.zero_grad(set_to_none=True)

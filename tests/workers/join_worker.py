@@ -75,11 +75,16 @@ def scenario(name):
             want = replay(name == "hsp", comm.allgather_object(mine) if name.startswith("osp") else None)
             check(f"{name}/equals_replay", torch.allclose(flat, want, rtol=1e-5, atol=1e-6),
                   (flat - want).abs().max().item())
-        # after join() the optimizer trains on as before: one more step on every rank
+        # after join() the optimizer trains on as before: one step on every rank, and a second uneven round
+        # right after it (a count left from the first join() must not end the second early)
         opt.zero_grad()
         torch.nn.functional.mse_loss(m(batch(rank, 99)[0]), batch(rank, 99)[1]).backward()
         opt.step()
-        opt.flush()
+        for k in range(rank):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(m(batch(rank, 100 + k)[0]), batch(rank, 100 + k)[1]).backward()
+            opt.step()
+        opt.join()
         flat = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
         check(f"{name}/trains_after", all(torch.equal(flat, f) for f in comm.allgather_object(flat)))
     run.__name__ = name

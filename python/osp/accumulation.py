@@ -14,8 +14,9 @@ first gradient, autograd says which gradient accumulators its graph will run
 (``torch._C._will_engine_execute_node``, as ``torch.autograd.graph.register_multi_grad_hook`` asks), so
 an unused parameter (a frozen branch, a head this batch skipped) does not hold back its bucket and every
 later one until backward ends. This is exact, not a guess from the step before: a parameter the graph
-will not reach gets no gradient in this pass. (A gradient that still arrives, from a backward re-entered
-inside this one, is refused.)
+will not reach gets no gradient in this pass. (A gradient that still arrives during that pass, from a
+backward re-entered inside it, is refused; a later pass that reaches one finds its bucket started, as it
+would have found it at the end of the pass before. Modes say whether they take this: ``Mode.ready_unreached_early``.)
 """
 from __future__ import annotations
 
@@ -27,6 +28,12 @@ import torch
 from torch.autograd.graph import get_gradient_edge
 
 from .layout import FlatGroup
+
+
+def _accumulator(p: torch.Tensor):
+    """``p``'s gradient accumulator (the autograd node a backward reaching ``p`` runs); None while it
+    does not require a gradient."""
+    return get_gradient_edge(p).node if p.requires_grad else None
 
 
 class Accumulation:
@@ -50,8 +57,12 @@ class Accumulation:
         self._no_sync = False  # inside no_sync(): passes accumulate locally and do not count
         # each parameter's gradient accumulator (held, as DDP's reducer holds them: one node for every
         # graph), asked whether a pass will reach it; and the parameters a pass was told it will not reach
-        self._accumulators = [(p, get_gradient_edge(p).node) for fg in groups for p in fg.params]
+        self._accumulators = [(p, _accumulator(p)) for fg in groups for p in fg.params]
         self._unreached: set = set()
+        # the pass that found them is still running: a gradient for one of them now comes from a backward
+        # nested in it. (After that pass, a later one may reach them, as one may reach any parameter
+        # whose bucket ended its step's backward: each mode handles that as before.)
+        self._unreached_open = False
         # the hooks hold this object weakly: a dropped optimizer must not keep reacting to backward
         # (e.g. starting collectives) when the model is wrapped again
         ref = weakref.WeakMethod(self.on_grad)
@@ -84,7 +95,7 @@ class Accumulation:
                 lambda: ref() is not None and ref()._end_pass())
         self.fresh = True
         fg, i = self._where[p]
-        if p in self._unreached and not (self._averaged or self._in_extra or self._no_sync):
+        if p in self._unreached and self._unreached_open:
             self._task = None
             raise RuntimeError(
                 f"osp: parameter {fg.names[i]!r} got a gradient from a backward pass other than the one its "
@@ -133,13 +144,24 @@ class Accumulation:
     def _ready_unreached(self) -> None:
         """At the first gradient of the step's last counted pass: the parameters this pass's graph will not
         reach have had their last pass (a missing gradient counts as zeros): tell the mode now."""
-        if self._no_sync or self._in_extra or self._averaged or self._backwards + 1 < self.passes_per_step:
+        if (not self.mode.ready_unreached_early or self._no_sync or self._in_extra or self._averaged
+                or self._backwards + 1 < self.passes_per_step):
             return
         will_run = torch._C._will_engine_execute_node
-        for p, node in self._accumulators:
-            if self._passes.get(p, 0) < self.passes_per_step and p not in self._unreached and not will_run(node):
-                self._unreached.add(p)
-                self.mode.on_ready(p)
+        for k, (p, node) in enumerate(self._accumulators):
+            if (self._passes.get(p, 0) >= self.passes_per_step or p in self._unreached
+                    or (node is not None and will_run(node))):
+                continue
+            # the held node may be stale (``p.data`` of another dtype gets a new accumulator, a frozen
+            # parameter has none): ask again
+            fresh = _accumulator(p)
+            if fresh is not node:
+                self._accumulators[k] = (p, fresh)
+                if fresh is not None and will_run(fresh):
+                    continue
+            self._unreached.add(p)
+            self._unreached_open = True
+            self.mode.on_ready(p)
 
     @staticmethod
     def _gather(fg: FlatGroup, i: int, p, alias) -> None:
@@ -180,6 +202,7 @@ class Accumulation:
 
     def _end_pass(self) -> None:
         self._task = None
+        self._unreached_open = False
         if self._no_sync:
             return
         if self._in_extra:

@@ -159,6 +159,12 @@ class Mode(abc.ABC):
     grad_is_average = False
     #: ``step(closure)`` hands the mode ``StepInput.closure`` (HSP); other modes refuse a closure
     accepts_closure = False
+    #: parameters the step's last backward pass will not reach are ready when it begins
+    #: (``Accumulation``), so they hold back no bucket. For a mode where a later pass that reaches one
+    #: is refused (BSP: the average is done) or handled (OSP packs a changed bucket again); DSync's
+    #: buckets wait for the end of the step's backward (its average lands steps later: an early start
+    #: buys little), HSP has none.
+    ready_unreached_early = False
     def on_ready(self, p: torch.Tensor) -> None:
         """``p``'s gradient had its last backward pass of the step."""
         return None

@@ -31,6 +31,7 @@ class BSP(Options):
 
 class BSPMode(Mode):
     grad_is_average = True
+    ready_unreached_early = True
 
     def __init__(self, options: BSP, ctx: Context):
         super().__init__(options, ctx)

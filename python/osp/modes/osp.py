@@ -109,6 +109,7 @@ class OSPMode(Mode):
     averaged."""
 
     options: OSP
+    ready_unreached_early = True  # a bucket whose gradient changed after it was packed is packed again (_stale)
 
     def __init__(self, options: OSP, ctx: Context):
         super().__init__(options, ctx)

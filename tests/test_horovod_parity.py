@@ -185,3 +185,21 @@ def test_the_horovod_style_example_with_the_swap():
     assert loss["osp-0.25"] < 0.8, loss
     proc, _ = _example("--optimizer", "bsp", "--fp16-allreduce", "--epochs", "1")
     assert proc.returncode != 0 and "compression='FP16Compressor' is not supported yet" in proc.stdout + proc.stderr
+
+
+SYNTHETIC = os.path.join(os.path.dirname(launch.HERE), "examples", "horovod_synthetic_benchmark.py")
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("optimizer", ["hvd", "osp-auto", "dsync-2"])
+def test_the_horovod_style_synthetic_benchmark_with_the_swap(optimizer):
+    """examples/horovod_synthetic_benchmark.py (Horovod's pytorch_synthetic_benchmark.py laid out on the bench's
+    MLP, compression= and op= passed), a few batches: it runs to its totals with the replicas bitwise equal, and
+    fp16 is refused by name. (Its figures are not measurements: bench/train_throughput.py makes those.)"""
+    quick = ["--num-warmup-batches", "2", "--num-batches-per-iter", "2", "--num-iters", "2", "--batch-size", "8"]
+    proc = launch.run("horovod", 2, [SYNTHETIC, "--optimizer", optimizer, *quick], timeout=180)
+    launch.check(proc)
+    assert "Total img/sec on 2 rank(s)" in proc.stdout and "replicas bitwise equal: True" in proc.stdout, proc.stdout
+    if optimizer == "osp-auto":
+        proc = launch.run("horovod", 2, [SYNTHETIC, "--optimizer", optimizer, "--fp16-allreduce", *quick], timeout=180)
+        assert proc.returncode != 0 and "compression='FP16Compressor' is not supported yet" in proc.stdout + proc.stderr

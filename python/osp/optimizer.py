@@ -334,7 +334,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         it takes part in the others' steps with no gradient of its own (zeros in the average, which stays
         divided by the number of ranks, as DDP's ``divide_by_initial_world_size`` and Horovod's join do;
         under HSP it adds no micro-batch), applying the same updates, so the replicas stay bitwise equal.
-        Returns on every rank at the same step, once the last rank has joined, after ``flush()``.
+        Returns on every rank at the same step, once the last rank has joined, after ``flush()``, with the
+        parameters and optimizer state of the rank that joined last (as DDP's join does: a learning-rate
+        scheduler the joined ranks did not step while they waited must not leave their replicas apart).
 
         Meanwhile the ranks still training may call ``step()`` (and what leads to it) only: a collective
         of their own (``flush()``, ``state_dict()`` of a mode with work in flight, a metric's allreduce)
@@ -345,17 +347,30 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                "then join()")
         ctx = self._ctx
         ctx.joined, ctx.joined_ranks = True, 0  # a count left from an earlier join() must not end this one
+        shadowed = 0
         try:
             while True:
                 self.zero_grad(set_to_none=True)
                 self._acc.shadow_pass()
                 self.step()
+                shadowed += 1
                 if ctx.joined_ranks >= self.comm.size or ctx.device.type == "meta":
                     break
             self.flush()
         finally:
             ctx.joined = False
             self.zero_grad(set_to_none=True)
+        if self.comm.size > 1:
+            # every rank is here, at the same step. The rank that joined last (fewest shadow steps) sends its
+            # parameters and state, as DDP's join hook does: a joined rank's learning rate stood still while a
+            # scheduler moved the others' (equal values otherwise: then this changes nothing)
+            from .broadcast import broadcast_optimizer_state
+
+            counts = self.comm.allgather_object(shadowed)
+            root = counts.index(min(counts))
+            for k, fg in enumerate(self.groups):
+                self.comm.broadcast_(fg.param, root, f"{ctx.prefix}.join.{k}")
+            broadcast_optimizer_state(self, root)
 
     @property
     def in_flight(self) -> bool:

@@ -91,6 +91,29 @@ def scenario(name):
     return run
 
 
-run_all([scenario(n) for n in modes])
+def with_scheduler(name):
+    """A learning-rate scheduler stepped every batch: a joined rank's stands still while the others' move,
+    so its own updates during join() differ; it ends with the last joiner's parameters and state."""
+    def run():
+        m = model()
+        opt = osp.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), m.named_parameters(),
+                                       sync=SYNCS[name](), backend=comm, timeout=60)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        for k in range(batches(rank)):
+            opt.zero_grad()
+            x, y = batch(rank, k)
+            torch.nn.functional.mse_loss(m(x), y).backward()
+            opt.step()
+            sched.step()
+        opt.join()
+        flat = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+        check(f"{name}/scheduler/replicas_equal", all(torch.equal(flat, f) for f in comm.allgather_object(flat)))
+        lrs = comm.allgather_object(opt.param_groups[0]["lr"])
+        check(f"{name}/scheduler/lr_of_the_last", len(set(lrs)) == 1 and lrs[0] == 0.1 * 0.5 ** batches(size - 1), lrs)
+    run.__name__ = f"{name}_scheduler"
+    return run
+
+
+run_all([scenario(n) for n in modes] + [with_scheduler(n) for n in modes])
 save(outdir)
 shutdown(backend)

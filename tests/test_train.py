@@ -26,6 +26,23 @@ def test_train_job_learns_digits(backend, sync, tmp_path):
 
 
 @pytest.mark.multiproc
+@pytest.mark.parametrize("sync,flags", [("osp", ["--compression", "fp16"]),
+                                        ("osp", ["--compression", "none", "--stage2-compression", "bf16"]),
+                                        ("ddp", ["--compression", "fp16"])])
+def test_train_with_compression(sync, flags, tmp_path):
+    """--compression (osp's, or DDP's own fp16 hook) and OSP's --stage2-compression: the job learns, and osp's
+    replicas end bitwise equal."""
+    out = tmp_path / "m.json"
+    proc = launch.run("spawn", 2, ["-m", "osp.train", "--sync", sync, "--critical", "0.25", "--epochs", "6",
+                                   *flags, "--backend", "torch", "--json", str(out)])
+    launch.check(proc)
+    res = json.loads(out.read_text())
+    assert res["config"]["compression"] == flags[1] and res["final_test_acc"] > 0.90, res["epochs"]
+    if sync == "osp":
+        assert len(set(res["replica_digests"])) == 1
+
+
+@pytest.mark.multiproc
 def test_train_hsp_with_a_straggler(tmp_path):
     """--sync hsp --straggler 1:3: the fast rank feeds extra micro-batches from its own shard, so epochs
     take fewer steps than the data holds micro-batches per rank, and the job still learns."""

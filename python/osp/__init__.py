@@ -6,13 +6,14 @@
 """
 from . import ops
 from .broadcast import broadcast_buffers, broadcast_optimizer_state, broadcast_parameters, sync_buffers
+from .compression import Compression
 from .launcher import init_from_env
 from .modes import BSP, HSP, OSP, DSync
 from .optimizer import DistributedOptimizer
 
 __version__ = "0.1.0"
 
-__all__ = ["ops", "BSP", "OSP", "DSync", "HSP", "DistributedOptimizer", "broadcast_parameters",
+__all__ = ["ops", "Compression", "BSP", "OSP", "DSync", "HSP", "DistributedOptimizer", "broadcast_parameters",
            "broadcast_optimizer_state", "broadcast_buffers", "sync_buffers", "init_from_env", "__version__"]
 
 

@@ -28,8 +28,10 @@ class Buckets:
     """
 
     def __init__(self, groups: Sequence[FlatGroup], bucket_mb: float, comm: Comm, name: str,
-                 start: Optional[Callable[[int], Optional[Handle]]] = None):
-        self.comm, self.name, self.start = comm, name, start
+                 start: Optional[Callable[[int], Optional[Handle]]] = None,
+                 wire: Callable[[FlatGroup], Optional[torch.dtype]] = lambda fg: None):
+        """``wire(fg)``: the dtype a flat group's buckets travel in (``osp.compression``; None: its own)."""
+        self.comm, self.name, self.start, self.wire = comm, name, start, wire
         limit = int(bucket_mb * (1 << 20))
         first = min(limit, FIRST_BUCKET_BYTES)
         self.buckets: List[tuple] = []  # (fg, lo, hi, params)
@@ -84,7 +86,8 @@ class Buckets:
             buf = self.dest(fg)
             if buf is not fg.grad:
                 buf[lo:hi].copy_(fg.grad[lo:hi])
-            self.launched.append(self.comm.allreduce_avg_async_(buf[lo:hi], f"{self.name}{self.tag}.{b}"))
+            self.launched.append(self.comm.allreduce_avg_async_(buf[lo:hi], f"{self.name}{self.tag}.{b}",
+                                                                 wire=self.wire(fg)))
         return self.launched
 
     def wait(self, handles: Sequence[Optional[Handle]], timeout: float, what: str) -> None:

@@ -22,12 +22,19 @@ from . import teardown
 
 class Handle:
     """An in-flight allreduce of ``tensor`` (an average, or a sum) named ``name``; pass it to
-    ``Comm.wait`` / ``Comm.poll`` of the communicator that started it."""
+    ``Comm.wait`` / ``Comm.poll`` of the communicator that started it. Compressed (``wire``), ``tensor`` is
+    the buffer on the wire and ``target`` the caller's tensor, which receives the result when it lands."""
 
-    __slots__ = ("tensor", "work", "done", "average", "name")
+    __slots__ = ("tensor", "work", "done", "average", "name", "target", "resum")
 
     def __init__(self, tensor: torch.Tensor, work: Any, average: bool = True, name: str = ""):
         self.tensor, self.work, self.done, self.average, self.name = tensor, work, False, average, name
+        self.target: Optional[torch.Tensor] = None
+        self.resum = False  # compressed: a sum was asked for, and the wire carried the average
+
+    @property
+    def result(self) -> torch.Tensor:
+        return self.tensor if self.target is None else self.target
 
 
 class Comm(abc.ABC):
@@ -49,21 +56,34 @@ class Comm(abc.ABC):
     def size(self) -> int:
         raise NotImplementedError
 
-    def allreduce_avg_async_(self, tensor: torch.Tensor, name: str) -> Handle:
-        """Start averaging ``tensor`` in place across ranks; complete it with ``wait``."""
-        return self._allreduce_async_(tensor, name, True)
+    def allreduce_avg_async_(self, tensor: torch.Tensor, name: str, wire: Optional[torch.dtype] = None) -> Handle:
+        """Start averaging ``tensor`` in place across ranks; complete it with ``wait``. ``wire``: the dtype it
+        travels in (``osp.compression``), where that is not its own."""
+        return self._allreduce_async_(tensor, name, True, wire)
 
-    def allreduce_sum_async_(self, tensor: torch.Tensor, name: str) -> Handle:
+    def allreduce_sum_async_(self, tensor: torch.Tensor, name: str, wire: Optional[torch.dtype] = None) -> Handle:
         """Start summing ``tensor`` in place across ranks. A sum is never fused by Horovod with the
         averages (their scale factors differ), so it cannot move their reduction boundaries."""
-        return self._allreduce_async_(tensor, name, False)
+        return self._allreduce_async_(tensor, name, False, wire)
 
-    def _allreduce_async_(self, tensor: torch.Tensor, name: str, average: bool) -> Handle:
-        h = Handle(tensor, None, average, name)
+    def _allreduce_async_(self, tensor: torch.Tensor, name: str, average: bool,
+                          wire: Optional[torch.dtype] = None) -> Handle:
+        target = None
+        if wire is not None and wire != tensor.dtype and tensor.is_floating_point():
+            # compressed as Horovod's Compression.fp16 does (cast, reduce, cast back), but divided by the
+            # number of ranks before the cast: the sum on the wire then stays within the range of the
+            # ranks' own values (an fp16 sum of fp16 values would overflow where their average does not)
+            target, tensor = tensor, tensor.div(self.size).to(wire)
+            average_on_wire = False
+        else:
+            average_on_wire = average
+        h = Handle(tensor, None, average_on_wire, name)
+        if target is not None:
+            h.target, h.resum = target, not average
         if tensor.numel() == 0:
             h.done = True
             return h
-        h.work = self._start(tensor, name, average)
+        h.work = self._start(tensor, name, average_on_wire)
         inflight = self._handles()
         if not inflight:
             teardown.busy(self)  # completed at exit if nobody waits for it
@@ -94,10 +114,14 @@ class Comm(abc.ABC):
         if not handle.done:
             self._complete(handle)
             self._landed(handle)
-        return handle.tensor
+        return handle.result
 
     def _landed(self, handle: Handle) -> None:
         if not handle.done:
+            if handle.target is not None:  # decompressed: the average, times the ranks where a sum was asked
+                handle.target.copy_(handle.tensor)
+                if handle.resum:
+                    handle.target.mul_(self.size)
             handle.done = True
             handle.work = None  # the engine's work object may hold the process group and its threads
             inflight = self._handles()
@@ -152,14 +176,14 @@ class Comm(abc.ABC):
         """Wait for ``handle``; with ``timeout`` (seconds), raise ``TimeoutError`` instead of waiting
         forever on a peer that died or stalled."""
         if handle.done:
-            return handle.tensor
+            return handle.result
         if not self._complete(handle, timeout):
             raise TimeoutError(
                 f"osp: {what} on rank {self.rank} did not complete within {timeout:g} s; a "
                 "peer may have died or stalled (raise DistributedOptimizer(timeout=...) if "
                 "steps are legitimately this slow)")
         self._landed(handle)
-        return handle.tensor
+        return handle.result
 
     def done_within(self, handle: Handle, seconds: float, max_pause: float = 1e-3) -> bool:
         """Poll ``handle`` for up to ``seconds``, sleeping between polls (at most ``max_pause`` s);

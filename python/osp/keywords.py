@@ -11,7 +11,7 @@ what was got) and says what each becomes:
   sum's scale too. ``gradient_predivide_factor=f`` divides each gradient by ``f`` on arrival and
   multiplies the average by ``f`` after it, as Horovod's pre- and postscale factors do (BSP: the one mode where the
   average is a single allreduce). ``hvd.Adasum`` is refused.
-- ``compression``: ``hvd.Compression.none`` (or None); others are refused until osp compresses.
+- ``compression``: ``osp.compression.resolve`` (Horovod's ``Compression.none`` / ``fp16`` and osp's own).
 - ``groups``: validated as Horovod does, then left to osp's buckets (``bucket_mb``), which already fuse
   the gradients into allreduces of a chosen size in the order backward produces them.
 - ``sparse_as_dense``: a sparse gradient is made dense where it enters osp's flat gradient.
@@ -76,19 +76,6 @@ def reduction(op, gradient_predivide_factor) -> Reduction:
         raise ValueError("osp: gradient_predivide_factor is for op=hvd.Average only (as in Horovod), got "
                          f"gradient_predivide_factor={f!r} with op=hvd.Sum")
     return Reduction(name, float(f))
-
-
-def check_compression(compression) -> None:
-    """None or ``hvd.Compression.none`` (its class, as Horovod passes it, or an instance)."""
-    if compression is None:
-        return
-    cls = compression if isinstance(compression, type) else type(compression)
-    if cls.__name__ == "NoneCompressor" and cls.__module__.startswith("horovod."):
-        return
-    raise ValueError(
-        f"osp: compression={getattr(cls, '__qualname__', cls)!r} is not supported yet: osp sends gradients in "
-        "their own dtype. Pass compression=hvd.Compression.none (the default), or train with float16 / "
-        "bfloat16 parameters, whose gradients travel in that dtype")
 
 
 def check_groups(groups, optimizer: torch.optim.Optimizer) -> None:

@@ -24,6 +24,7 @@ from typing import Callable, Optional
 import torch
 
 from . import amp, keywords, parameters, teardown
+from . import compression as compression_
 from .accumulation import Accumulation
 from .comm import Comm, get_comm
 from .correction import unhooked_step
@@ -90,13 +91,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                           timeout, on_synced)
         # Horovod's keywords, and the names: wrong ones raise before any engine is looked for
         reduction = keywords.reduction(op, gradient_predivide_factor)
-        keywords.check_compression(compression)
+        compressor = compression_.resolve(compression)
         keywords.check_groups(groups, optimizer)
         if not isinstance(sparse_as_dense, bool):
             raise ValueError(f"osp: sparse_as_dense must be True or False, got {sparse_as_dense!r}")
         names = parameters.names(optimizer, named_parameters)
         # Horovod's optimizer has these attributes, and code written for it reads them
         self.op, self.gradient_predivide_factor, self.sparse_as_dense = op, gradient_predivide_factor, sparse_as_dense
+        self.compression = compressor
         self.process_set = process_set
         self.optimizer, self.sync, self.timeout = optimizer, sync, float(timeout)
         self.backward_passes_per_step = backward_passes_per_step
@@ -126,7 +128,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                             order=self._order, extra_passes=lambda ref=ref: ref()._acc.extra(),
                             on_synced=lambda ref=ref: ref()._synced_now(),
                             prefix=f"{self.comm.prefix}{self._signature[1]}",
-                            postscale=reduction.postscale)
+                            postscale=reduction.postscale, compression=compressor)
+        for fg in self.groups:  # an engine without that dtype's collectives refuses it here, not at a step
+            if self._ctx.wire(fg) is not None:
+                self.comm.check_dtype(self._ctx.wire(fg), f"the wire of compression={compressor!r}")
         self.mode: Mode = sync.build(self._ctx)
         if reduction.predivide != 1.0 and sync.name != "bsp":
             raise ValueError(

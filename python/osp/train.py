@@ -145,14 +145,24 @@ def make_optimizer(args, model, comm, backend):
         else:
             crit = args.critical if args.critical == "auto" else float(args.critical)
             sync = osp.OSP(critical=crit, min_critical=args.min_critical, block_size=args.block_size,
-                           metric=args.metric)
-        return model, osp.DistributedOptimizer(inner, model.named_parameters(), sync=sync, backend=backend)
+                           metric=args.metric, stage2_compression=args.stage2_compression)
+        return model, osp.DistributedOptimizer(inner, model.named_parameters(), sync=sync, backend=backend,
+                                               compression=args.compression)
     if args.sync == "hvd":
         import horovod.torch as hvd
 
-        return model, hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters())
+        if args.compression == "bf16":
+            raise ValueError("--compression bf16: Horovod 0.28.1 has no bfloat16 collectives")
+        compression = hvd.Compression.fp16 if args.compression == "fp16" else hvd.Compression.none
+        return model, hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
+                                               compression=compression)
     if args.sync == "ddp":
         ddp = torch.nn.parallel.DistributedDataParallel(model)
+        if args.compression != "none":  # DDP's own hooks (bf16's refuses Gloo, with its reason)
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            hook = default_hooks.fp16_compress_hook if args.compression == "fp16" else default_hooks.bf16_compress_hook
+            ddp.register_comm_hook(None, hook)
         inner = type(inner)(ddp.parameters(), **inner.defaults)
         return ddp, inner
     raise ValueError(f"unknown --sync {args.sync!r}")
@@ -512,6 +522,11 @@ def main(argv=None):
     ap.add_argument("--straggler", default=None, metavar="RANK:FACTOR",
                     help="make RANK's compute FACTOR times slower (a sleep of FACTOR-1 times its measured "
                          "micro-batch compute, between forward and backward)")
+    ap.add_argument("--compression", choices=["none", "fp16", "bf16"], default="none",
+                    help="what the gradients travel as (osp.Compression; hvd: Compression.fp16; ddp: its fp16/bf16 "
+                    "compress hook)")
+    ap.add_argument("--stage2-compression", choices=["none", "fp16", "bf16"], default=None,
+                    help="OSP: what the deferred blocks travel as (default: as --compression)")
     ap.add_argument("--block-size", type=int, default=512)
     ap.add_argument("--metric", default="l2")
     ap.add_argument("--epochs", type=int, default=15)

@@ -472,8 +472,8 @@ def test_op_and_predivide():
 
 
 def test_compression_and_groups():
-    """The examples pass compression=hvd.Compression.none (accepted) or fp16 (refused until osp
-    compresses); groups= is accepted (osp's buckets fuse) and checked as Horovod checks it."""
+    """The examples pass compression=hvd.Compression.none or fp16 (both accepted: fp16 sends the gradients as
+    float16, the replicas stay equal); groups= is accepted (osp's buckets fuse) and checked as Horovod checks it."""
     model = mlp()
     opt = wrap(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
                compression=hvd.Compression.none, groups=2)
@@ -482,8 +482,14 @@ def test_compression_and_groups():
     opt.step()
     settle(opt)
     check("compression/none", True)
-    expect_error("compression/fp16_refused", ValueError, "compression", lambda: wrap(
-        torch.optim.SGD(model.parameters(), lr=0.1), compression=hvd.Compression.fp16))
+    model = mlp()
+    opt = wrap(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), compression=hvd.Compression.fp16)
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+    settle(opt)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    check("compression/fp16", opt.compression is osp.Compression.fp16
+          and all(torch.equal(flat, f) for f in hvd.allgather_object(flat)))
     expect_error("groups/duplicate", ValueError, "only appear once", lambda: wrap(
         torch.optim.SGD(model.parameters(), lr=0.1), groups=[[model[0].weight, model[0].weight]]))
 

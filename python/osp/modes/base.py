@@ -30,6 +30,7 @@ import torch
 
 from .. import agreement, ops
 from ..comm import Comm
+from ..compression import Compression, Compressor, wire_dtype
 from ..layout import FlatGroup
 
 _CHECK_BLOCK = 1 << 16  # elements per block of the non-finite scan (spreads it over threads and CUDA blocks)
@@ -77,6 +78,12 @@ class Context:
     joined: bool = False
     #: how many ranks had joined, as the last per-step record read said (``agreement.Agreement``)
     joined_ranks: int = 0
+    #: what the gradients travel as (``osp.compression``; the per-step records always go as float32)
+    compression: Compressor = Compression.none
+
+    def wire(self, fg) -> Optional[torch.dtype]:
+        """The dtype flat group ``fg``'s gradient travels in, where it is not its own (None)."""
+        return wire_dtype(self.compression, fg.dtype)
 
     @property
     def nparams(self) -> int:

@@ -35,7 +35,7 @@ class BSPMode(Mode):
 
     def __init__(self, options: BSP, ctx: Context):
         super().__init__(options, ctx)
-        self.buckets = Buckets(ctx.groups, options.bucket_mb, ctx.comm, f"{ctx.prefix}.bsp")
+        self.buckets = Buckets(ctx.groups, options.bucket_mb, ctx.comm, f"{ctx.prefix}.bsp", wire=ctx.wire)
         self._present = Agreement(ctx, "bsp.present")
         self._synced = None  # seconds the averaging took, once it finished for the coming step
 

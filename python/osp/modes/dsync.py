@@ -93,7 +93,7 @@ class DSyncMode(Mode):
         self.slots = longest + 1  # averages in flight at most (during a backward)
         self.kept = longest if longest > 1 else 0  # local gradients kept for replays
         self.corrector = corrector_for(ctx.optimizer)
-        self.buckets = Buckets(ctx.groups, options.bucket_mb, ctx.comm, f"{ctx.prefix}.ds")
+        self.buckets = Buckets(ctx.groups, options.bucket_mb, ctx.comm, f"{ctx.prefix}.ds", wire=ctx.wire)
         # per slot: whether some rank's gradients were changed after backward, whether its parameters
         # were changed while a correction was pending, and which parameters have a gradient on some rank;
         # summed with the slot's average

@@ -95,7 +95,8 @@ class HSPMode(Mode):
             comm.wait(ready, ctx.timeout, "HSP ready")
         for fg in ctx.groups:
             fg.gather_grads()  # a missing gradient counts as zeros
-        handles = [comm.allreduce_sum_async_(fg.grad, f"{ctx.prefix}.hsp.{gi}") for gi, fg in enumerate(ctx.groups)]
+        handles = [comm.allreduce_sum_async_(fg.grad, f"{ctx.prefix}.hsp.{gi}", wire=ctx.wire(fg))
+                   for gi, fg in enumerate(ctx.groups)]
         handles.append(self._meta.post(passes=passes, failed=failure is not None, arrival_ms=arrival * 1e3))
         t1 = time.perf_counter()
         with span("osp.hsp.wait"):

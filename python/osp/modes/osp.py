@@ -11,6 +11,7 @@ from .. import ops
 from ..agreement import Agreement, any_rank
 from ..buckets import Buckets
 from ..comm import Handle
+from ..compression import Compressor, fits, resolve, wire_dtype
 from ..correction import Snapshot, corrector_for, hyper, unhooked_step
 from ..layout import EditProbe, Workspace
 from ..policy import Plan, Split
@@ -39,6 +40,9 @@ class OSP(Options):
         block_size: elements per block.
         warmup: with ``"auto"``, steps run fully critical first, stage 1 at ``step()``, to measure
             the network.
+        stage2_compression: what the deferred blocks travel as (``osp.Compression.fp16`` / ``bf16`` / ``none``,
+            or Horovod's); None: as the optimizer's ``compression=``. The critical blocks always keep the
+            optimizer's: importance-aware precision on the wire.
         bucket_mb: stage 1 starts during backward in buckets of about this many MiB of gradient (as
             BSP's and DDP's do): each bucket's critical blocks are averaged as soon as its gradients
             are ready.
@@ -47,7 +51,7 @@ class OSP(Options):
     name = "osp"
 
     def __init__(self, critical=0.25, min_critical: Optional[float] = None, metric: str = "l2",
-                 block_size: int = 4096, warmup: int = 2, bucket_mb: float = 25.0):
+                 block_size: int = 4096, warmup: int = 2, bucket_mb: float = 25.0, stage2_compression=None):
         if critical != "auto":
             if isinstance(critical, bool) or not isinstance(critical, (int, float)) or not (
                     0.0 <= float(critical) <= 1.0):
@@ -67,11 +71,14 @@ class OSP(Options):
             raise ValueError(f"osp: OSP(warmup) must be a non-negative integer, got {warmup!r}")
         self.warmup = warmup
         self.bucket_mb = check_positive("OSP", "bucket_mb", bucket_mb)
+        self.stage2_compression: Optional[Compressor] = (None if stage2_compression is None
+                                                         else resolve(stage2_compression))
 
     def __repr__(self):
+        s2 = "" if self.stage2_compression is None else f", stage2_compression={self.stage2_compression!r}"
         return (f"OSP(critical={self.critical!r}, min_critical={self.min_critical:g}, "
                 f"metric={self.metric!r}, block_size={self.block_size}, warmup={self.warmup}, "
-                f"bucket_mb={self.bucket_mb:g})")
+                f"bucket_mb={self.bucket_mb:g}{s2})")
 
     def build(self, ctx: Context) -> "OSPMode":
         return OSPMode(self, ctx)
@@ -114,6 +121,9 @@ class OSPMode(Mode):
     def __init__(self, options: OSP, ctx: Context):
         super().__init__(options, ctx)
         self.corrector = corrector_for(ctx.optimizer)
+        for gi in range(len(ctx.groups)):
+            if self._wire2(gi) is not None:
+                ctx.comm.check_dtype(self._wire2(gi), f"the wire of stage2_compression={options.stage2_compression!r}")
         # stage 2 on a communicator of its own: an engine that runs a communicator's collectives in issue
         # order (NCCL) must not queue the next step's stage-1 buckets behind this step's stage 2
         self.comm2 = ctx.comm.late(ctx.timeout, ctx.device)
@@ -196,7 +206,9 @@ class OSPMode(Mode):
         ops.split_blocks(fg.grad[b0 * bs:b1 * bs], plan.mask[lo + b0:lo + b1], bs, crit, deferred, b1 - b0 - k,
                          positions=plan.positions[lo + b0:lo + b1])
         self._packed[b] = self._grad_version(b)
-        return self.ctx.comm.allreduce_avg_async_(crit, f"{self.ctx.prefix}.s1.{b}") if k else None
+        if not k:
+            return None
+        return self.ctx.comm.allreduce_avg_async_(crit, f"{self.ctx.prefix}.s1.{b}", wire=self.ctx.wire(fg))
 
     def _grad_version(self, b: int) -> int:
         return sum(v._version for v in self._views[b])
@@ -262,12 +274,12 @@ class OSPMode(Mode):
         if s1.scaled:  # packed in backward from the gradients as backward left them
             ctx.scale_grads(inp.unscale, deferreds)
         # 2. the side channel, while the last stage 2's exact update runs
-        side = self._agree(s1, plan, edited, correct=True)
+        side = self._agree(s1, plan, edited, deferreds, correct=True)
         if side.any("stale"):  # a gradient changed after backward packed it (on some rank): pack again
             self._drop_stage1()
             s1.scaled = s1.stale = False
             self._launch_stage1(s1, timed=True)
-            side = self._agree(s1, plan, edited, correct=False)
+            side = self._agree(s1, plan, edited, deferreds, correct=False)
         self._steps += 1
         if side.any("edited"):
             self.buckets.wait(s1.handles, ctx.timeout, "stage-1 allreduce")
@@ -285,7 +297,7 @@ class OSPMode(Mode):
         # factors differ), which start from the backward hooks while it runs; a fusion would make the
         # reduction order, hence the rounding, depend on timing
         with span("osp.stage2.launch"):
-            h2 = {gi: self.comm2.allreduce_sum_async_(deferreds[gi], f"{ctx.prefix}.s2.{gi}")
+            h2 = {gi: self.comm2.allreduce_sum_async_(deferreds[gi], f"{ctx.prefix}.s2.{gi}", wire=self._wire2(gi))
                   for gi in launch2 if deferreds[gi].numel()}
         rec = self._finish_stage1(s1, crits, wait_s)
         rec["bytes_stage2"] = ctx.nbytes - rec["bytes_stage1"] if h2 else 0
@@ -347,13 +359,24 @@ class OSPMode(Mode):
         s1.handles = list(self.buckets.launch(force=True))
 
     @traced("osp.side_channel")
-    def _agree(self, s1: "_Stage1", plan: Plan, edited, correct: bool):
+    def _wire2(self, gi: int) -> Optional[torch.dtype]:
+        """What flat group ``gi``'s deferred blocks travel as (``OSP(stage2_compression)``, else the optimizer's)."""
+        c = self.options.stage2_compression
+        return self.ctx.wire(self.ctx.groups[gi]) if c is None else wire_dtype(c, self.ctx.groups[gi].dtype)
+
+    def _agree(self, s1: "_Stage1", plan: Plan, edited, deferreds, correct: bool):
         """Post this rank's side channel, and read every rank's sum. With ``correct``, the previous step's
-        exact update runs while it is in flight (its time does not count as stage 1's)."""
+        exact update runs while it is in flight (its time does not count as stage 1's). A deferred gradient
+        beyond its wire's range (float16) counts as non-finite: the step is skipped on every rank before
+        stage 2 starts, which could not be undone once its critical blocks are applied."""
         ctx = self.ctx
         iteration = self._t_ends[-1] - self._t_ends[-2] if len(self._t_ends) == 2 else 0.0
         self._measured()
-        self._side.post(plan.mask, nonfinite=ctx.nonfinite(), bandwidth_mbps=self._bw_sample / 1e6,
+        nonfinite = ctx.nonfinite()
+        for gi, d in enumerate(deferreds):
+            if self._wire2(gi) is not None:
+                nonfinite = nonfinite + (~fits(d, self._wire2(gi))).to(nonfinite.dtype)
+        self._side.post(plan.mask, nonfinite=nonfinite, bandwidth_mbps=self._bw_sample / 1e6,
                         edited=edited, stale=s1.stale, backward_ms=self._backward_s * 1e3,
                         iteration_ms=iteration * 1e3)
         if correct:

@@ -201,7 +201,7 @@ class Env:
         if self.wrapped:
             self.opt = osp.DistributedOptimizer(self.inner, self.model.named_parameters(), sync=self.mode.make(),
                                                 backend=self.backend, backward_passes_per_step=self.bpps,
-                                                timeout=60)
+                                                timeout=60, compression=self.case.compression)
             if self.mode.prepare is not None:
                 self.mode.prepare(self.opt)
         else:
@@ -240,9 +240,22 @@ class Env:
         if self.wrapped:
             self.opt.clip_grad_norm_(m)
         else:
+            self.compress()
             self.clip_torch(m)
 
+    def compress(self) -> None:
+        """The plain optimizer's gradients as one rank's compressed average gives them (once per step)."""
+        wire = osp.compression.wire_dtype(osp.compression.resolve(self.case.compression), self.dtype)
+        if self.wrapped or wire is None or getattr(self, "_compressed", False):
+            return
+        self._compressed = True
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad.copy_(p.grad.to(wire).to(p.grad.dtype))
+
     def step(self, t: int) -> None:
+        self.compress()
+        self._compressed = False
         if self.record is not None:
             self.record(self)
         if self.scaler is not None:
@@ -579,10 +592,14 @@ class Case:
     pattern: str
     optimizer: str
     dtype: str = "fp32"
+    #: what the gradients travel as (``osp.Compression``): the plain optimizer then steps on each gradient as
+    #: one rank's compressed average gives it (cast to the wire and back), from the moment it is averaged
+    compression: str = "none"
 
     @property
     def id(self) -> str:
-        return f"{self.mode}|{self.pattern}|{self.optimizer}|{self.dtype}"
+        tail = "" if self.compression == "none" else f"|{self.compression}"
+        return f"{self.mode}|{self.pattern}|{self.optimizer}|{self.dtype}{tail}"
 
 
 @dataclass
@@ -738,6 +755,27 @@ def pairwise_cases() -> List[Case]:
 def mode_pattern_cases(optimizers=("sgd-momentum", "adamw")) -> List[Case]:
     """Every mode with every pattern, for the optimizers with fused kernels."""
     return [Case(m, p, o) for m in MODES for p in PATTERNS for o in optimizers]
+
+
+#: the loops whose gradients nothing edits between backward and step but osp's own clipping, where one
+#: rank's compressed average is the same whether a mode averages in backward (BSP) or in step() (OSP, DSync)
+COMPRESSION_PATTERNS = ("plain", "accumulate-2", "no-sync", "unused-param", "branch-sometimes", "freeze-unfreeze",
+                        "param-groups", "lr-scheduler", "clip-opt", "flush-mid-run", "state-dict-round-trip")
+
+
+#: the modes whose every update is computed from the (compressed) average itself. The others apply a
+#: provisional update from the rank's own gradient first (OSP's deferred blocks, DSync's steps in flight),
+#: which on one rank equals the average only while nothing is compressed: the next gradient is then taken
+#: at other weights than plain torch.optim's. Their compression column is the replay of the recorded
+#: gradients on 2 ranks (tests/test_conformance_ranks.py) and tests/test_compression.py.
+COMPRESSION_ONE_RANK_MODES = ("bsp", "hsp", "hsp-closure", "osp-1.0", "osp-auto-warmup")
+
+
+def compression_cases(optimizers=("sgd-momentum", "adamw")) -> List[Case]:
+    """The compression column of the one-rank oracle: those modes on those loops, float16 and bfloat16 on the
+    wire."""
+    return [Case(m, p, o, "fp32", c) for m in COMPRESSION_ONE_RANK_MODES for p in COMPRESSION_PATTERNS
+            for o in optimizers for c in ("fp16", "bf16")]
 
 
 def mode_optimizer_cases() -> List[Case]:

@@ -9,8 +9,8 @@ optimizer and dtype at least once). ``python tests/conformance_report.py`` print
 import conformance as C
 import pytest
 
-CASES = sorted(set(C.mode_pattern_cases()) | set(C.mode_optimizer_cases()) | set(C.pairwise_cases()),
-               key=lambda c: c.id)
+CASES = sorted(set(C.mode_pattern_cases()) | set(C.mode_optimizer_cases()) | set(C.pairwise_cases())
+               | set(C.compression_cases()), key=lambda c: c.id)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)

@@ -43,6 +43,24 @@ def test_ranks_equal_the_replay_of_the_averaged_gradients(backend, nranks, part,
     assert sorted(results[0]["checks"]) == sorted(cases)
 
 
+# the compression column where one rank's oracle cannot reach (conformance.COMPRESSION_ONE_RANK_MODES): the modes
+# with provisional updates, on the loops of conformance.COMPRESSION_PATTERNS, float16 on the wire (both engines)
+# and bfloat16 (torch.distributed; Horovod refuses it). 2 ranks: the replay sums in rank order, exact for two
+COMPRESSED_MODES = [m for m in MODES if m not in C.COMPRESSION_ONE_RANK_MODES]
+COMPRESSED_ROWS = C.pairwise([COMPRESSED_MODES, list(C.COMPRESSION_PATTERNS), ["sgd-momentum", "adamw"]], seed=2)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("backend,wires", [("torch", ("fp16", "bf16")), ("horovod", ("fp16",))])
+def test_compressed_ranks_equal_the_replay_of_the_compressed_average(backend, wires, tmp_path):
+    cases = ["|".join(r + ("fp32", w)) for r in COMPRESSED_ROWS for w in wires]
+    launcher = "horovod" if backend == "horovod" else "spawn"
+    proc = launch.run(launcher, 2, [WORKER, backend, str(tmp_path)] + cases, timeout=600)
+    launch.check(proc)
+    results = launch.rank_results(tmp_path, 2, proc)
+    assert sorted(results[0]["checks"]) == sorted(cases)
+
+
 def test_the_sample_covers_every_pair():
     for i, j in ((0, 1), (0, 2), (1, 2)):
         tables = (MODES, PATTERNS, OPTIMIZERS)

@@ -1,6 +1,6 @@
 """Rank program for oracle 2 (tests/test_conformance_ranks.py): the conformance tables on real ranks.
 
-Usage: conformance_worker.py BACKEND OUTDIR CASE [CASE ...]   (CASE: mode|pattern|optimizer|dtype)
+Usage: conformance_worker.py BACKEND OUTDIR CASE [CASE ...]   (CASE: mode|pattern|optimizer|dtype[|compression])
 
 Each case runs its loop (tests/conformance.py) on every rank, each rank on its own data, recording the
 gradient every rank hands to ``step()``. After ``flush()``: the replicas must be bitwise equal (I1), and
@@ -15,6 +15,8 @@ import sys
 
 import ranks
 import torch
+
+import osp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import conformance as C  # noqa: E402
@@ -32,6 +34,23 @@ def recorder(log):
     return record
 
 
+def average(got, dtype, compression):
+    """The recorded gradients' average (None where no rank had one, zeros where some had none), as the wire
+    of ``compression`` forms it: each divided by the ranks, cast, summed there in rank order (exact for 2
+    ranks: one rounded addition), cast back."""
+    if all(g is None for g in got):
+        return None
+    present = [g for g in got if g is not None]
+    wire = osp.compression.wire_dtype(osp.compression.resolve(compression), dtype)
+    if wire is None:
+        return (sum(present) / size).to(dtype)
+    parts = [torch.zeros_like(present[0]).to(wire) if g is None else (g.to(dtype) / size).to(wire) for g in got]
+    total = parts[0]
+    for q in parts[1:]:
+        total = (total.float() + q.float()).to(wire)
+    return total.to(dtype)
+
+
 def replay(case, logs):
     """Plain torch.optim on the averaged recorded gradients."""
     ref = C.Env(case, wrapped=False)
@@ -46,10 +65,8 @@ def replay(case, logs):
             got = [log[t]["grads"][i] for log in logs]
             if bsp:  # .grad already held the average (clipped by the user) at step()
                 p.grad = None if got[0] is None else got[0].to(p.dtype)
-            elif all(g is None for g in got):
-                p.grad = None
             else:
-                p.grad = (sum(g for g in got if g is not None) / size).to(p.dtype)
+                p.grad = average(got, p.dtype, case.compression)
         scale = logs[0][t]["scale"]
         if scale is not None:  # unscaled by the scale that step ran under; an overflow anywhere skips it
             grads = [p.grad for p in params if p.grad is not None]

@@ -48,7 +48,7 @@ class Mutant:
 
 
 FILES = {"conf": "tests/test_conformance.py", "opt": "tests/test_optimizer.py", "ops": "tests/test_ops.py",
-         "hsp": "tests/test_hsp.py"}
+         "hsp": "tests/test_hsp.py", "comp": "tests/test_compression.py"}
 
 
 def T(conf: Optional[str] = None, **more: str) -> str:
@@ -298,6 +298,14 @@ MUTANTS: List[Mutant] = [
       "if n > self.passes_per_step and not self._in_extra:", "if n > self.passes_per_step + 1 and not self._in_extra:",
       T(EVERY_MODE, opt=OPT_ALL),
       "one backward pass more than backward_passes_per_step is accumulated silently"),
+    M("comp-wire-ignored", "comm.py",
+      "if wire is not None and wire != tensor.dtype and tensor.is_floating_point():", "if False:",
+      T(comp="one_rank"),
+      "compression= is accepted and nothing is compressed: the update is not the one asked for"),
+    M("comp-stage2-unchecked", "modes/osp.py",
+      "nonfinite = nonfinite + (~fits(d, self._wire2(gi))).to(nonfinite.dtype)", "pass",
+      T(comp="beyond_float16"),
+      "a deferred gradient beyond float16's range overflows stage 2 after the critical blocks were applied"),
     M("acc-unreached-wait", "accumulation.py",
       "        if first:\n            self._ready_unreached()\n", "",
       T(opt="unused_parameter_does_not_hold_back"),

@@ -34,6 +34,12 @@ from bench.models import DEFAULT_BATCH, MODELS, build  # noqa: E402
 # overlap: both at once with no dependency between them, what that bound costs on this machine's CPUs
 CONTENDERS = ["compute", "allreduce", "overlap", "hvd", "ddp", "osp-bsp", "osp-auto", "osp-0.1", "osp-0.25",
               "osp-0.5"]
+# compressed, a contender with a suffix: "+fp16" / "+bf16" (osp's compression=, Horovod's Compression.fp16,
+# DDP's fp16_compress_hook / bf16_compress_hook), "+powersgd" (DDP with PowerSGD: rank 4, error feedback,
+# start_powerSGD_iter=10), "+s2fp16" (OSP: only the deferred blocks in fp16); "allreduce+fp16" is the
+# collective alone in float16, the compressed half of the bound
+COMPRESSION_CONTENDERS = ["compute", "allreduce", "allreduce+fp16", "ddp", "ddp+fp16", "ddp+powersgd", "hvd+fp16",
+                          "osp-bsp+fp16", "osp-auto", "osp-auto+fp16", "osp-0.25+s2fp16", "dsync-2+fp16"]
 # --variation: a link whose rate changes while training runs, and compute that varies per step
 VARIATION_CONTENDERS = ["dsync-auto", "dsync-2", "dsync-4", "osp-auto", "osp-bsp", "ddp", "hvd"]
 
@@ -42,6 +48,7 @@ VARIATION_CONTENDERS = ["dsync-auto", "dsync-2", "dsync-4", "osp-auto", "osp-bsp
 # rank side
 
 def engine(contender: str, osp_backend: str) -> str:
+    contender = contender.split("+")[0]
     if contender == "hvd" or (contender.startswith("osp") and osp_backend == "horovod"):
         return "horovod"
     return "torch"
@@ -55,6 +62,7 @@ def worker(a):
 
     torch.set_num_threads(1)
     backend = engine(a.contender, a.osp_backend)
+    name, _, comp = a.contender.partition("+")
     comm = init_from_env(backend, timeout_s=300)
     model, make_batch, loss_fn = build(a.model, a.width)
     nparams = sum(p.numel() for p in model.parameters())
@@ -72,37 +80,51 @@ def worker(a):
     compute_alone = (time.perf_counter() - t0) / 3
 
     family = None
-    if a.contender == "compute":
+    if name == "compute":
         # the step without any collective: forward, backward and a local SGD step
         opt, net = inner, model
-    elif a.contender == "allreduce":
-        # the collective without any compute: a float32 buffer of the gradient's size, allreduced
+    elif name == "allreduce":
+        # the collective without any compute: a float32 buffer of the gradient's size, allreduced (float16
+        # with "+fp16")
         opt, net = None, None
-        buf = torch.zeros(nparams, dtype=torch.float32)
-    elif a.contender == "overlap":
+        buf = torch.zeros(nparams, dtype=torch.float16 if comp == "fp16" else torch.float32)
+    elif name == "overlap":
         # the step and an allreduce of the gradient's size at once, the collective launched before the
         # forward and waited for after the update: the perfect overlap no data dependency limits, paying
         # only what the collective's CPU work (Gloo's threads, the kernel's TCP) takes from the compute
         opt, net = inner, model
         buf = torch.zeros(nparams, dtype=torch.float32)
-    elif a.contender == "hvd":
+    elif name == "hvd":
         import horovod.torch as hvd
 
-        opt = hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters())
+        compression = hvd.Compression.fp16 if comp == "fp16" else hvd.Compression.none
+        opt = hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters(), compression=compression)
         net = model
-    elif a.contender == "ddp":
+    elif name == "ddp":
         net = torch.nn.parallel.DistributedDataParallel(model)
+        if comp in ("fp16", "bf16"):
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            net.register_comm_hook(None, getattr(default_hooks, f"{comp}_compress_hook"))
+        elif comp == "powersgd":
+            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+            state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=4,
+                                                start_powerSGD_iter=10, use_error_feedback=True)
+            net.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
         opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
     else:
-        family, mode = a.contender.split("-", 1)
+        family, mode = name.split("-", 1)
         if family == "dsync":
             sync = osp.DSync(delay=mode if mode == "auto" else int(mode), max_delay=max(4, 1 if mode == "auto"
                                                                                       else int(mode)))
         elif mode == "bsp":
             sync = osp.BSP()
         else:
-            sync = osp.OSP(critical=mode if mode == "auto" else float(mode), block_size=a.block_size)
-        opt = osp.DistributedOptimizer(inner, model.named_parameters(), sync=sync, backend=comm)
+            sync = osp.OSP(critical=mode if mode == "auto" else float(mode), block_size=a.block_size,
+                           stage2_compression="fp16" if comp == "s2fp16" else None)
+        opt = osp.DistributedOptimizer(inner, model.named_parameters(), sync=sync, backend=comm,
+                                       compression=comp if comp in ("fp16", "bf16") else None)
         net = model
     # compute that varies from step to step (e.g. batches of different cost): extra work of a random
     # share of compute_alone before each step, drawn per rank and step from a seeded generator
@@ -118,14 +140,14 @@ def worker(a):
     times = []
     for _ in range(a.warmup + a.steps):
         t0 = time.perf_counter()
-        if a.contender == "allreduce":
+        if name == "allreduce":
             torch.distributed.all_reduce(buf)
             times.append(time.perf_counter() - t0)
             continue
         if a.jitter:
             extra_s.append(float(torch.rand((), generator=rng)) * a.jitter * compute_alone)
             busy(extra_s[-1])
-        work = torch.distributed.all_reduce(buf, async_op=True) if a.contender == "overlap" else None
+        work = torch.distributed.all_reduce(buf, async_op=True) if name == "overlap" else None
         opt.zero_grad()
         loss_fn(net(x), y).backward()
         opt.step()
@@ -238,7 +260,7 @@ def add_bounds(rows):
     ok = [r for r in rows if "error" not in r]
     for r in ok:
         peers = {x["contender"]: x for x in ok if group_key(x) == group_key(r)}
-        for key, name in (("x_hvd", "hvd"), ("x_ddp", "ddp")):
+        for key, name in (("x_hvd", "hvd"), ("x_ddp", "ddp"), ("x_ddp_fp16", "ddp+fp16")):
             if name in peers:
                 r[key] = r["samples_per_s"] / peers[name]["samples_per_s"]
         comm = 0.0 if r["rate"] == "none" else ring_seconds(r["bytes"], r["ranks"], _bits(r["rate"]))
@@ -249,6 +271,9 @@ def add_bounds(rows):
         else:
             r["bound_s"], r["bound_from"] = r["ideal_s"], "estimate"
         r["share_of_bound"] = r["bound_s"] / r["step_s"]
+        if "compute" in peers and "allreduce+fp16" in peers:  # the bound with the gradient in float16 on the wire
+            r["bound_fp16_s"] = max(peers["compute"]["step_s"], peers["allreduce+fp16"]["step_s"])
+            r["share_of_bound_fp16"] = r["bound_fp16_s"] / r["step_s"]
         if "overlap" in peers:  # the bound as this machine can reach it: compute and collective at once
             r["overlap_s"] = peers["overlap"]["step_s"]
             r["share_of_overlap"] = r["overlap_s"] / r["step_s"]
@@ -257,23 +282,24 @@ def add_bounds(rows):
 def table(rows):
     lines = ["| model | batch | bandwidth | ranks | contender | samples/s | x Horovod | x DDP | share of bound | "
              "share of overlap | step ms "
-             "| compute ms | stage-1 ms | stage-2 wait ms | critical | bound ms | estimate ms |",
-             "|" + "---|" * 17]
+             "| compute ms | stage-1 ms | stage-2 wait ms | critical | bound ms | estimate ms | x DDP+fp16 "
+             "| share of fp16 bound |",
+             "|" + "---|" * 19]
     ms = lambda r, k: f"{1e3 * r[k]:.1f}" if k in r else "-"  # noqa: E731
     f2 = lambda r, k: f"{r[k]:.2f}" if k in r else "-"  # noqa: E731
     estimated = False
     for r in rows:
         head = [r.get("model", "mlp"), str(r.get("batch", "-")), r["rate"], str(r["ranks"]), r["contender"]]
         if "error" in r:
-            lines.append("| " + " | ".join(head) + " | failed |" + " |" * 11)
+            lines.append("| " + " | ".join(head) + " | failed |" + " |" * 13)
             continue
         mark = "*" if r.get("bound_from") == "estimate" else ""
         estimated = estimated or bool(mark)
         cells = head + [f"{r['samples_per_s']:.1f}", f2(r, "x_hvd"), f2(r, "x_ddp"), f2(r, "share_of_bound") + mark,
-                        f2(r, "share_of_overlap"), ms(r, "step_s"), "-" if r["contender"] == "allreduce" else
-                        ms(r, "compute_s" if "compute_s" in r else "compute_alone_s"),
+                        f2(r, "share_of_overlap"), ms(r, "step_s"), "-" if r["contender"].startswith("allreduce")
+                        else ms(r, "compute_s" if "compute_s" in r else "compute_alone_s"),
                         ms(r, "stage1_s"), ms(r, "stage2_wait_s"), f2(r, "critical_fraction"),
-                        ms(r, "bound_s") + mark, ms(r, "ideal_s")]
+                        ms(r, "bound_s") + mark, ms(r, "ideal_s"), f2(r, "x_ddp_fp16"), f2(r, "share_of_bound_fp16")]
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("\nshare of bound: max(compute step, allreduce step) of the same model, batch, bandwidth and "
                  "ranks, over the row's step time; share of overlap: the overlap contender's step (compute and an "
@@ -435,7 +461,8 @@ def main(argv=None):
     ap.add_argument("--models", default="mlp", help=f"comma list of {', '.join(MODELS)} (bench/models.py)")
     ap.add_argument("--ranks", default="2,4")
     ap.add_argument("--bandwidths", default="100mbit,1gbit,10gbit,none")
-    ap.add_argument("--contenders", default=",".join(CONTENDERS))
+    ap.add_argument("--contenders", default=",".join(CONTENDERS),
+                    help="comma list; 'compression' for the compression set: " + ",".join(COMPRESSION_CONTENDERS))
     ap.add_argument("--width", type=int, default=2048, help="MLP hidden width (2048: ~8.4M parameters)")
     ap.add_argument("--batch", type=int, default=None, help="per-rank batch for every model (default per "
                     "model: " + ", ".join(f"{m} {b}" for m, b in DEFAULT_BATCH.items()) + ")")
@@ -463,6 +490,8 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if a.worker:
         return worker(a)
+    if a.contenders == "compression":
+        a.contenders = ",".join(COMPRESSION_CONTENDERS)
     models = a.models.split(",")
     for m in models:
         if m not in MODELS:

@@ -34,10 +34,10 @@ class InOrderComm(TorchComm):
         self.forced = []  # (name waited for, [names issued before it, not waited for yet, completed first])
         self._late_comm = None
 
-    def _allreduce_async_(self, tensor, name, average):
+    def _allreduce_async_(self, tensor, name, average, wire=None):
         self.queue = [h for h in self.queue if not h.done]
         ahead = [self.names[id(h)] for h in self.queue]
-        h = super()._allreduce_async_(tensor, name, average)
+        h = super()._allreduce_async_(tensor, name, average, wire)
         self.names[id(h)] = name
         self.queue.append(h)
         self.log.append((name, ahead))

@@ -757,6 +757,20 @@ def mode_pattern_cases(optimizers=("sgd-momentum", "adamw")) -> List[Case]:
     return [Case(m, p, o) for m in MODES for p in PATTERNS for o in optimizers]
 
 
+def wire_average(got: List[Optional[torch.Tensor]], dtype: torch.dtype, wire: Optional[torch.dtype]) -> torch.Tensor:
+    """The average of the ranks' gradients ``got`` (None: zeros) in ``dtype`` as a compressed collective forms
+    it (``osp.comm.Comm``, ``wire=``): each divided by the number of ranks, cast to ``wire``, summed there in
+    rank order (exact for 2 ranks: one rounded addition), cast back. ``wire=None``: the plain average."""
+    present = [g for g in got if g is not None]
+    if wire is None:
+        return (sum(present) / len(got)).to(dtype)
+    parts = [torch.zeros_like(present[0]).to(wire) if g is None else (g.to(dtype) / len(got)).to(wire) for g in got]
+    total = parts[0]
+    for q in parts[1:]:
+        total = (total.float() + q.float()).to(wire)
+    return total.to(dtype)
+
+
 #: the loops whose gradients nothing edits between backward and step but osp's own clipping, where one
 #: rank's compressed average is the same whether a mode averages in backward (BSP) or in step() (OSP, DSync)
 COMPRESSION_PATTERNS = ("plain", "accumulate-2", "no-sync", "unused-param", "branch-sometimes", "freeze-unfreeze",

@@ -303,7 +303,7 @@ MUTANTS: List[Mutant] = [
       T(comp="one_rank"),
       "compression= is accepted and nothing is compressed: the update is not the one asked for"),
     M("comp-stage2-unchecked", "modes/osp.py",
-      "nonfinite = nonfinite + (~fits(d, self._wire2(gi))).to(nonfinite.dtype)", "pass",
+      "nonfinite = nonfinite + (~fits(d, wire)).to(nonfinite.dtype)", "pass",
       T(comp="beyond_float16"),
       "a deferred gradient beyond float16's range overflows stage 2 after the critical blocks were applied"),
     M("acc-unreached-wait", "accumulation.py",

@@ -129,9 +129,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                             on_synced=lambda ref=ref: ref()._synced_now(),
                             prefix=f"{self.comm.prefix}{self._signature[1]}",
                             postscale=reduction.postscale, compression=compressor)
-        for fg in self.groups:  # an engine without that dtype's collectives refuses it here, not at a step
-            if self._ctx.wire(fg) is not None:
-                self.comm.check_dtype(self._ctx.wire(fg), f"the wire of compression={compressor!r}")
+        for wire in {self._ctx.wire(fg) for fg in self.groups} - {None}:  # refused here, not at a step
+            self.comm.check_dtype(wire, f"the wire of compression={compressor!r}")
         self.mode: Mode = sync.build(self._ctx)
         if reduction.predivide != 1.0 and sync.name != "bsp":
             raise ValueError(

@@ -2,12 +2,16 @@
 the engine has it, bfloat16) wire. Replicas bitwise equal after flush(), and the parameters torch.optim gives
 replaying the recorded gradients with the same compressed averaging: each rank's gradient divided by the
 number of ranks, cast to the wire, summed there, cast back. argv: backend, outdir."""
+import os
 import sys
 
 import torch
 from ranks import check, expect_error, run_all, save, shutdown, start
 
 import osp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import conformance as C  # noqa: E402
 
 backend, outdir = sys.argv[1], sys.argv[2]
 comm = start(backend)
@@ -29,11 +33,7 @@ def replay(recorded, wire):
     opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
     for k in range(STEPS):
         for i, p in enumerate(m.parameters()):
-            parts = [r[k][i].div(size).to(wire) for r in recorded]
-            total = parts[0]
-            for q in parts[1:]:
-                total = (total.float() + q.float()).to(wire)  # a sum on the wire, rounded there
-            p.grad = total.to(torch.float32)
+            p.grad = C.wire_average([r[k][i] for r in recorded], torch.float32, wire)
         opt.step()
     return torch.cat([p.detach().reshape(-1) for p in m.parameters()])
 
@@ -63,7 +63,7 @@ def scenario(mode, wname):
         want = replay(comm.allgather_object(recorded), WIRES[wname])
         check(f"{mode}/{wname}/equals_replay", torch.allclose(flat, want, rtol=1e-5, atol=1e-6),
               (flat - want).abs().max().item())
-        plain = replay(comm.allgather_object(recorded), torch.float32)
+        plain = replay(comm.allgather_object(recorded), None)
         check(f"{mode}/{wname}/not_uncompressed", not torch.allclose(flat, plain, rtol=1e-7, atol=1e-8))
     run.__name__ = f"{mode}_{wname}"
     return run

@@ -36,19 +36,10 @@ def recorder(log):
 
 def average(got, dtype, compression):
     """The recorded gradients' average (None where no rank had one, zeros where some had none), as the wire
-    of ``compression`` forms it: each divided by the ranks, cast, summed there in rank order (exact for 2
-    ranks: one rounded addition), cast back."""
+    of ``compression`` forms it (``conformance.wire_average``)."""
     if all(g is None for g in got):
         return None
-    present = [g for g in got if g is not None]
-    wire = osp.compression.wire_dtype(osp.compression.resolve(compression), dtype)
-    if wire is None:
-        return (sum(present) / size).to(dtype)
-    parts = [torch.zeros_like(present[0]).to(wire) if g is None else (g.to(dtype) / size).to(wire) for g in got]
-    total = parts[0]
-    for q in parts[1:]:
-        total = (total.float() + q.float()).to(wire)
-    return total.to(dtype)
+    return C.wire_average(got, dtype, osp.compression.wire_dtype(osp.compression.resolve(compression), dtype))
 
 
 def replay(case, logs):

@@ -374,8 +374,9 @@ class OSPMode(Mode):
         self._measured()
         nonfinite = ctx.nonfinite()
         for gi, d in enumerate(deferreds):
-            if self._wire2(gi) is not None:
-                nonfinite = nonfinite + (~fits(d, self._wire2(gi))).to(nonfinite.dtype)
+            wire = self._wire2(gi)
+            if wire is not None:
+                nonfinite = nonfinite + (~fits(d, wire)).to(nonfinite.dtype)
         self._side.post(plan.mask, nonfinite=nonfinite, bandwidth_mbps=self._bw_sample / 1e6,
                         edited=edited, stale=s1.stale, backward_ms=self._backward_s * 1e3,
                         iteration_ms=iteration * 1e3)

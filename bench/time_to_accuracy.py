@@ -46,6 +46,11 @@ CONTENDERS = {
     "osp-auto": (["--sync", "osp", "--critical", "auto"], "torch"),
 }
 COLORS = {"bsp": "tab:blue", "ddp": "tab:gray", "hvd": "tab:orange", "osp-auto": "tab:green"}
+# a contender may carry "+fp16" / "+bf16" (osp.train --compression: osp's compression=, Horovod's
+# Compression.fp16, DDP's compress hooks) or "+powersgd" (DDP's PowerSGD hook: rank 4, error feedback)
+COMPRESSIONS = ("fp16", "bf16", "powersgd")
+LINES = {"": "-", "fp16": "--", "bf16": "-.", "powersgd": ":"}  # the plot's line per compression
+PRESETS = {"compression": ["bsp", "bsp+fp16", "ddp+fp16", "ddp+powersgd", "hvd+fp16", "osp-auto", "osp-auto+fp16"]}
 TARGET_RULE = "mean over seeds of BSP's final test accuracy (last epoch)"
 # per model: where compute and the allreduce are within 2x of each other at 1 Gbit/s on 2 ranks (the MLP:
 # ~70 ms against ~140 ms a step, its big layer's gradient ready only at the end of the backward), or as close
@@ -62,8 +67,18 @@ def apply_defaults(a) -> None:
             setattr(a, key, value)
 
 
+def split_contender(contender: str):
+    """``name[+compression]`` -> (osp.train options, engine); ValueError for an unknown one."""
+    name, _, comp = contender.partition("+")
+    if name not in CONTENDERS or comp and comp not in COMPRESSIONS:
+        raise ValueError(f"unknown contender {contender!r}: one of {','.join(CONTENDERS)}, each optionally "
+                         f"+{'/+'.join(COMPRESSIONS)}")
+    opts, engine = CONTENDERS[name]
+    return opts + (["--compression", comp] if comp else []), engine
+
+
 def train_argv(contender: str, seed: int, a, out: str, progress: bool = False) -> list:
-    opts, engine = CONTENDERS[contender]
+    opts, engine = split_contender(contender)
     return [sys.executable, "-m", "osp.train", *opts, "--backend", engine, "--epochs", str(a.epochs),
             "--batch-size", str(a.batch_size), "--lr", str(a.lr), "--model", a.model, "--eval-every", str(a.eval_every),
             "--width", str(a.width),
@@ -103,7 +118,7 @@ def run_one(NetEm, contender: str, seed: int, a, tmp: str, emit=None) -> dict:
     rank 0's progress (its start line and one per epoch) as it comes."""
     out = os.path.join(tmp, f"{contender}-{seed}.json")
     log = os.path.join(tmp, f"log-{contender}-{seed}")
-    engine = CONTENDERS[contender][1]
+    engine = split_contender(contender)[1]
     for old in [out] + [f"{log}.rank{i}.log" for i in range(a.ranks)]:  # of an earlier run into the same place
         if os.path.exists(old):
             os.remove(old)
@@ -147,8 +162,10 @@ def short(error: str) -> str:
     return f"{head}: {last[0].strip()}"[:200] if last else error.splitlines()[0][:200]
 
 
-def summarize(runs: dict, contenders: list, seeds: list) -> dict:
-    """runs: {"contender/seed": result} -> the target, per-run rows and per-contender means."""
+def summarize(runs: dict, contenders: list, seeds: list, bases=("bsp",)) -> dict:
+    """runs: {"contender/seed": result} -> the target, per-run rows and per-contender means, with each
+    contender's speedup over each of ``bases`` (``speedup_vs_<base>``: the base's mean time to the target
+    over the contender's, over the seeds where both reached it; per row, the same seed's ratio)."""
     bsp_final = [runs[f"bsp/{s}"]["final_test_acc"] for s in seeds if "error" not in runs.get(f"bsp/{s}", {"error": 1})]
     if not bsp_final:
         return {"target": None, "target_rule": TARGET_RULE, "rows": [], "contenders": {}}
@@ -161,30 +178,33 @@ def summarize(runs: dict, contenders: list, seeds: list) -> dict:
                 rows.append({"contender": c, "seed": s, "error": r["error"]})
                 continue
             t = time_to(r, target)
-            tb = time_to(runs.get(f"bsp/{s}", {}), target)
-            rows.append({"contender": c, "seed": s, "final_test_acc": r["final_test_acc"], "time_to_target_s": t,
-                         "speedup_vs_bsp": tb / t if t and tb else None, "train_s": r["train_s"],
-                         "samples_per_s": r["samples_per_s"],
-                         "critical_fraction": r.get("osp_stats", {}).get("mean", {}).get("critical_fraction")})
+            row = {"contender": c, "seed": s, "final_test_acc": r["final_test_acc"], "time_to_target_s": t,
+                   "train_s": r["train_s"], "samples_per_s": r["samples_per_s"],
+                   "critical_fraction": r.get("osp_stats", {}).get("mean", {}).get("critical_fraction")}
+            for base in bases:
+                tb = time_to(runs.get(f"{base}/{s}", {}), target)
+                row[f"speedup_vs_{base}"] = tb / t if t and tb else None
+            rows.append(row)
     for c in contenders:
         mine = [x for x in rows if x["contender"] == c and "error" not in x]
         reached = [x for x in mine if x["time_to_target_s"] is not None]
-        both = [(x, next((b for b in rows if b["contender"] == "bsp" and b["seed"] == x["seed"]
-                          and b.get("time_to_target_s") is not None), None)) for x in reached]
-        both = [(x, b) for x, b in both if b is not None]
         per[c] = {
             "runs": len(mine), "reached": len(reached),
             "final_test_acc": statistics.mean(x["final_test_acc"] for x in mine) if mine else None,
             "time_to_target_s": statistics.mean(x["time_to_target_s"] for x in reached) if reached else None,
-            "speedup_vs_bsp": (statistics.mean(b["time_to_target_s"] for _, b in both)
-                               / statistics.mean(x["time_to_target_s"] for x, _ in both)) if both else None,
             "samples_per_s": statistics.mean(x["samples_per_s"] for x in mine) if mine else None,
             "train_s": statistics.mean(x["train_s"] for x in mine) if mine else None,
         }
+        for base in bases:
+            both = [(x, next((b for b in rows if b["contender"] == base and b["seed"] == x["seed"]
+                              and b.get("time_to_target_s") is not None), None)) for x in reached]
+            both = [(x, b) for x, b in both if b is not None]
+            per[c][f"speedup_vs_{base}"] = (statistics.mean(b["time_to_target_s"] for _, b in both)
+                                            / statistics.mean(x["time_to_target_s"] for x, _ in both)) if both else None
     return {"target": target, "target_rule": TARGET_RULE, "rows": rows, "contenders": per}
 
 
-def tables(summary: dict, a) -> str:
+def tables(summary: dict, a, bases=("bsp",)) -> str:
     if summary["target"] is None:
         return "no BSP run finished: no target accuracy, no table"
     head = (f"{a.ranks} ranks behind {a.rate} links; {model_name(a)}"
@@ -192,27 +212,37 @@ def tables(summary: dict, a) -> str:
             f"lr {a.lr}, batch {a.batch_size} per rank, {a.epochs} epochs (evaluated every "
             f"{getattr(a, 'eval_every', 1)}), seeds {a.seeds}.\n"
             f"Target: {100 * summary['target']:.2f}% = {summary['target_rule']}. Times are training wall time "
-            f"(evaluation and start-up excluded) at the end of the first epoch reaching it; speedup = BSP's time / "
-            f"the contender's.\n")
-    lines = [head, "| contender | seed | final test acc | time to target (s) | speedup vs BSP | train s | samples/s | "
-             "critical share |", "|---|---|---|---|---|---|---|---|"]
+            f"(evaluation and start-up excluded) at the end of the first epoch reaching it; speedup vs X = X's "
+            f"time / the contender's.\n")
+    vs = "".join(f" speedup vs {b} |" for b in bases)
+    dash = "---|" * len(bases)
+
+    def ratios(x):
+        out = ""
+        for b in bases:
+            r = x[f"speedup_vs_{b}"]
+            out += f" {'-' if r is None else f'{r:.2f}x'} |"
+        return out
+
+    lines = [head, f"| contender | seed | final test acc | time to target (s) |{vs} train s | samples/s | "
+             "critical share |", f"|---|---|---|---|{dash}---|---|---|"]
     for x in summary["rows"]:
         if "error" in x:
-            lines.append(f"| {x['contender']} | {x['seed']} | failed: {short(x['error'])} | | | | | |")
+            lines.append(f"| {x['contender']} | {x['seed']} | failed: {short(x['error'])} | |{' |' * len(bases)} | | |")
             continue
-        t, sp, cf = x["time_to_target_s"], x["speedup_vs_bsp"], x["critical_fraction"]
+        t, cf = x["time_to_target_s"], x["critical_fraction"]
         lines.append(f"| {x['contender']} | {x['seed']} | {100 * x['final_test_acc']:.2f}% | "
-                     f"{'not reached' if t is None else f'{t:.2f}'} | {'-' if sp is None else f'{sp:.2f}x'} | "
+                     f"{'not reached' if t is None else f'{t:.2f}'} |{ratios(x)} "
                      f"{x['train_s']:.2f} | {x['samples_per_s']:.0f} | {'-' if cf is None else f'{cf:.2f}'} |")
-    lines += ["", "| contender | mean final test acc | reached target | mean time to target (s) | speedup vs BSP | "
-              "mean train s | mean samples/s |", "|---|---|---|---|---|---|---|"]
+    lines += ["", f"| contender | mean final test acc | reached target | mean time to target (s) |{vs} "
+              "mean train s | mean samples/s |", f"|---|---|---|---|{dash}---|---|"]
     for c, m in summary["contenders"].items():
         if not m["runs"]:
-            lines.append(f"| {c} | failed | | | | | |")
+            lines.append(f"| {c} | failed | | |{' |' * len(bases)} | |")
             continue
-        t, sp = m["time_to_target_s"], m["speedup_vs_bsp"]
+        t = m["time_to_target_s"]
         lines.append(f"| {c} | {100 * m['final_test_acc']:.2f}% | {m['reached']}/{m['runs']} | "
-                     f"{'not reached' if t is None else f'{t:.2f}'} | {'-' if sp is None else f'{sp:.2f}x'} | "
+                     f"{'not reached' if t is None else f'{t:.2f}'} |{ratios(m)} "
                      f"{m['train_s']:.2f} | {m['samples_per_s']:.0f} |")
     return "\n".join(lines)
 
@@ -233,7 +263,7 @@ def plot(runs: dict, contenders: list, seeds: list, target, rate: str, path: str
             if "epochs" not in r:
                 continue
             ax.plot([e["wall_s"] for e in r["epochs"]], [100 * e["test_acc"] for e in r["epochs"]],
-                    color=COLORS.get(c), lw=0.9, alpha=0.8, marker=".", ms=3, label=c if i == 0 else None)
+                    color=COLORS.get(c.partition("+")[0]), ls=LINES[c.partition("+")[2]], lw=0.9, alpha=0.8, marker=".", ms=3, label=c if i == 0 else None)
     if target is not None:
         ax.axhline(100 * target, color="k", ls="--", lw=0.8, label=f"target {100 * target:.2f}% (BSP final)")
     ax.set_xlabel("training wall time (s)")
@@ -249,12 +279,27 @@ def plot(runs: dict, contenders: list, seeds: list, target, rate: str, path: str
     print(f"plot: {path}")
 
 
+def pick(a):
+    """The contenders to run (BSP first: it sets the target) and the speedups' baselines."""
+    names = PRESETS.get(a.contenders, a.contenders.split(","))
+    versus = a.versus or ("ddp+fp16" if a.contenders == "compression" else None)
+    contenders = ["bsp"] + [c for c in names if c != "bsp"]
+    if versus and versus not in contenders:
+        raise ValueError(f"--versus {versus}: not among the contenders {','.join(contenders)}")
+    return contenders, ("bsp",) + ((versus,) if versus and versus != "bsp" else ())
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rate", default="1gbit", help="every rank's link rate (tc tbf), e.g. 1gbit, 500mbit; none: "
                     "namespaces without shaping")
     ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--contenders", default=",".join(CONTENDERS), help=f"of {','.join(CONTENDERS)}")
+    ap.add_argument("--contenders", default=",".join(CONTENDERS),
+                    help=f"of {','.join(CONTENDERS)}, each optionally +{'/+'.join(COMPRESSIONS)} (e.g. ddp+fp16), "
+                    f"or a preset: " + "; ".join(f"{k}: {','.join(v)}" for k, v in PRESETS.items()))
+    ap.add_argument("--versus", default=None, metavar="CONTENDER",
+                    help="a second baseline for the speedups (beside BSP), e.g. ddp+fp16; the compression preset's "
+                    "default")
     ap.add_argument("--model", choices=sorted(DEFAULTS), default="mlp", help="mlp: DigitsMLP; cnn: DigitsCNN "
                     "(osp.train --model); each sets the defaults of the next four: " + "; ".join(
                         f"{m}: " + ", ".join(f"{k} {v}" for k, v in d.items()) for m, d in DEFAULTS.items()))
@@ -279,15 +324,17 @@ def main(argv=None):
 
         a.model, a.eval_every = "cnn", 1  # what runs saved before either option existed were
         saved = load_saved(a, a.report)
-        contenders = ["bsp"] + [c for c in a.contenders.split(",") if c != "bsp"]
+        contenders, bases = pick(a)
         seeds = [int(s) for s in a.seeds.split(",")]
-        print(tables(summarize(saved["runs"], contenders, seeds), a))
+        print(tables(summarize(saved["runs"], contenders, seeds, bases), a, bases))
         return 0
     apply_defaults(a)
-    contenders = ["bsp"] + [c for c in a.contenders.split(",") if c != "bsp"]  # BSP sets the target
-    unknown = [c for c in contenders if c not in CONTENDERS]
-    if unknown:
-        ap.error(f"unknown contender(s) {unknown}; known: {','.join(CONTENDERS)}")
+    try:
+        contenders, bases = pick(a)
+        for c in contenders:
+            split_contender(c)
+    except ValueError as e:
+        ap.error(str(e))
     seeds = [int(s) for s in a.seeds.split(",")]
     sys.path.insert(0, ROOT)
     from bench.netem.netem import NetEm
@@ -306,7 +353,7 @@ def main(argv=None):
                     f"final test acc {100 * r['final_test_acc']:.2f}%  train {r['train_s']:.2f} s  "
                     f"{r['samples_per_s']:.0f} samples/s")
                 print(f"[{time.monotonic() - t_start:5.0f}s] seed {seed} {c:9s} {msg}", flush=True)
-    summary = summarize(runs, contenders, seeds)
+    summary = summarize(runs, contenders, seeds, bases)
     keep = ("config", "epochs", "final_test_acc", "samples_per_s", "train_s", "steps", "osp_stats", "error")
     os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
     with open(a.json, "w") as fh:
@@ -315,7 +362,7 @@ def main(argv=None):
     print(f"results: {a.json}")
     plot(runs, contenders, seeds, summary["target"], a.rate, a.plot or a.json[:-5] + ".png")
     print()
-    print(tables(summary, a))
+    print(tables(summary, a, bases))
     return 0 if all("error" not in r for r in runs.values()) else 1
 
 

@@ -101,17 +101,10 @@ def worker(a):
         opt = hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters(), compression=compression)
         net = model
     elif name == "ddp":
+        from osp.train import register_ddp_compression
+
         net = torch.nn.parallel.DistributedDataParallel(model)
-        if comp in ("fp16", "bf16"):
-            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-            net.register_comm_hook(None, getattr(default_hooks, f"{comp}_compress_hook"))
-        elif comp == "powersgd":
-            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
-
-            state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=4,
-                                                start_powerSGD_iter=10, use_error_feedback=True)
-            net.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        register_ddp_compression(net, comp or "none")
         opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
     else:
         family, mode = name.split("-", 1)

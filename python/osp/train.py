@@ -134,6 +134,9 @@ def make_optimizer(args, model, comm, backend):
         inner = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=args.weight_decay)
     else:
         inner = torch.optim.Adam(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    if args.compression == "powersgd" and args.sync != "ddp":
+        raise ValueError(f"--compression powersgd is DDP's PowerSGD hook (--sync ddp), got --sync {args.sync}: "
+                         "osp and Horovod compress with fp16 (or bf16 on osp)")
     if args.sync in OSP_MODES:
         if args.sync == "bsp":
             sync = osp.BSP()
@@ -158,14 +161,31 @@ def make_optimizer(args, model, comm, backend):
                                                compression=compression)
     if args.sync == "ddp":
         ddp = torch.nn.parallel.DistributedDataParallel(model)
-        if args.compression != "none":  # DDP's own hooks (bf16's refuses Gloo, with its reason)
-            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-            hook = default_hooks.fp16_compress_hook if args.compression == "fp16" else default_hooks.bf16_compress_hook
-            ddp.register_comm_hook(None, hook)
+        register_ddp_compression(ddp, args.compression)
         inner = type(inner)(ddp.parameters(), **inner.defaults)
         return ddp, inner
     raise ValueError(f"unknown --sync {args.sync!r}")
+
+
+def register_ddp_compression(ddp, name: str) -> None:
+    """DDP's own compression for ``--compression``: its ``fp16_compress_hook`` / ``bf16_compress_hook``
+    (bf16's refuses Gloo, with its reason), or PowerSGD as its docs set it up (rank 4, error feedback,
+    the first 10 iterations uncompressed). On Gloo, PowerSGD with several buckets hangs or aborts (seen
+    here with torch 2.13): its hook starts its P and Q allreduces from inside future callbacks, which
+    Gloo runs on its worker threads, so both threads can block waiting and two ranks can start those
+    allreduces in different orders; a group of its own with more threads hangs too."""
+    if name in ("fp16", "bf16"):
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        ddp.register_comm_hook(None, getattr(default_hooks, f"{name}_compress_hook"))
+    elif name == "powersgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=4,
+                                            start_powerSGD_iter=10, use_error_feedback=True)
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    elif name != "none":
+        raise ValueError(f"--compression {name!r}: DDP has none, fp16, bf16 and powersgd")
 
 
 def parse_straggler(text: str, size: int):
@@ -522,9 +542,9 @@ def main(argv=None):
     ap.add_argument("--straggler", default=None, metavar="RANK:FACTOR",
                     help="make RANK's compute FACTOR times slower (a sleep of FACTOR-1 times its measured "
                          "micro-batch compute, between forward and backward)")
-    ap.add_argument("--compression", choices=["none", "fp16", "bf16"], default="none",
+    ap.add_argument("--compression", choices=["none", "fp16", "bf16", "powersgd"], default="none",
                     help="what the gradients travel as (osp.Compression; hvd: Compression.fp16; ddp: its fp16/bf16 "
-                    "compress hook)")
+                    "compress hook, or powersgd: its PowerSGD hook, rank 4 with error feedback, --sync ddp only)")
     ap.add_argument("--stage2-compression", choices=["none", "fp16", "bf16"], default=None,
                     help="OSP: what the deferred blocks travel as (default: as --compression)")
     ap.add_argument("--block-size", type=int, default=512)

@@ -8,7 +8,7 @@ CUDA_SRCS := $(wildcard csrc/cuda/*.cu)
 CUDA_CPP_SRCS := $(wildcard csrc/cuda/*.cpp)
 PYTEST_ARGS ?=
 
-.PHONY: install test test-only lint cuda-check gpu-check bench-kernels bench-accuracy bench-stragglers bench-faults bench-tta demo bench stress-exit mutation conformance-random clean
+.PHONY: install test test-only lint cuda-check gpu-check bench-kernels bench-accuracy bench-stragglers bench-faults bench-tta bench-compression demo bench stress-exit mutation conformance-random clean
 
 install:
 	@bash scripts/install.sh
@@ -94,6 +94,17 @@ bench-faults: install
 # BENCH_ARGS as for bench, e.g. "--seeds 0 --epochs 2 --contenders bsp,osp-auto" for a smoke run.
 bench-tta: install
 	$(PY) bench/time_to_accuracy.py $(BENCH_ARGS)
+
+# Compression (needs root): the throughput contenders with and without fp16 (DDP's hooks, PowerSGD, Horovod's
+# fp16, osp BSP / OSP(auto) / DSync) on 2 and 4 ranks behind 1 and 10 Gbit/s links, MLP / ResNet-18 / GPT, a
+# table each (the median of 2 runs on 2 ranks, one run on 4); then time to accuracy on digits, 3 seeds,
+# against DDP's fp16 hook (about an hour and forty minutes on 2 cores).
+bench-compression: install
+	for r in 2 4; do for b in 1gbit 10gbit; do $(PY) bench/train_throughput.py --models mlp,resnet18,gpt \
+	    --ranks $$r --bandwidths $$b --contenders compression --steps 10 --warmup 12 --repeats $$((r == 2 ? 2 : 1)) --no-digits \
+	    --json bench/out/throughput_compression_$${b}_r$$r.json || exit 1; done; done
+	$(PY) bench/time_to_accuracy.py --contenders compression --run-timeout 150 \
+	    --json bench/out/time_to_accuracy_compression.json
 
 # Throughput under an emulated network bottleneck (needs root: network namespaces and tc).
 # BENCH_ARGS=--quick for a few minutes on 2 cores.

@@ -262,8 +262,10 @@ def plot(runs: dict, contenders: list, seeds: list, target, rate: str, path: str
             r = runs.get(f"{c}/{s}", {})
             if "epochs" not in r:
                 continue
+            name, _, comp = c.partition("+")
             ax.plot([e["wall_s"] for e in r["epochs"]], [100 * e["test_acc"] for e in r["epochs"]],
-                    color=COLORS.get(c.partition("+")[0]), ls=LINES[c.partition("+")[2]], lw=0.9, alpha=0.8, marker=".", ms=3, label=c if i == 0 else None)
+                    color=COLORS.get(name), ls=LINES[comp], lw=0.9, alpha=0.8, marker=".", ms=3,
+                    label=c if i == 0 else None)
     if target is not None:
         ax.axhline(100 * target, color="k", ls="--", lw=0.8, label=f"target {100 * target:.2f}% (BSP final)")
     ax.set_xlabel("training wall time (s)")

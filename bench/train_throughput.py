@@ -38,8 +38,9 @@ CONTENDERS = ["compute", "allreduce", "overlap", "hvd", "ddp", "osp-bsp", "osp-a
 # DDP's fp16_compress_hook / bf16_compress_hook), "+powersgd" (DDP with PowerSGD: rank 4, error feedback,
 # start_powerSGD_iter=10), "+s2fp16" (OSP: only the deferred blocks in fp16); "allreduce+fp16" is the
 # collective alone in float16, the compressed half of the bound
-COMPRESSION_CONTENDERS = ["compute", "allreduce", "allreduce+fp16", "ddp", "ddp+fp16", "ddp+powersgd", "hvd+fp16",
-                          "osp-bsp+fp16", "osp-auto", "osp-auto+fp16", "osp-0.25+s2fp16", "dsync-2+fp16"]
+COMPRESSION_CONTENDERS = ["compute", "allreduce", "allreduce+fp16", "ddp", "ddp+fp16", "ddp+powersgd", "hvd",
+                          "hvd+fp16", "osp-bsp", "osp-bsp+fp16", "osp-auto", "osp-auto+fp16", "osp-0.25+s2fp16",
+                          "dsync-2", "dsync-2+fp16"]
 # --variation: a link whose rate changes while training runs, and compute that varies per step
 VARIATION_CONTENDERS = ["dsync-auto", "dsync-2", "dsync-4", "osp-auto", "osp-bsp", "ddp", "hvd"]
 

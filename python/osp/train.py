@@ -172,8 +172,9 @@ def register_ddp_compression(ddp, name: str) -> None:
     (bf16's refuses Gloo, with its reason), or PowerSGD as its docs set it up (rank 4, error feedback,
     the first 10 iterations uncompressed). On Gloo, PowerSGD with several buckets hangs or aborts (seen
     here with torch 2.13): its hook starts its P and Q allreduces from inside future callbacks, which
-    Gloo runs on its worker threads, so both threads can block waiting and two ranks can start those
-    allreduces in different orders; a group of its own with more threads hangs too."""
+    Gloo runs on its worker threads, so two ranks may start them in different orders (Gloo: "Is there a
+    distributed collective mismatch in your code?") or both threads block waiting for them; a group of
+    its own with more threads hangs too."""
     if name in ("fp16", "bf16"):
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 

@@ -9,9 +9,8 @@ import pytest
 import launch
 
 ROOT = os.path.dirname(launch.HERE)
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-import time_to_accuracy as tta  # noqa: E402
-
+sys.path.insert(0, ROOT)
+from bench import time_to_accuracy as tta  # noqa: E402
 from osp.train import make_optimizer  # noqa: E402
 
 

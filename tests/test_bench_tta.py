@@ -5,6 +5,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 import launch
 
@@ -60,7 +61,7 @@ def test_speedups_are_the_baselines_time_over_the_contenders():
 def test_powersgd_is_ddps_alone():
     """osp.train --compression powersgd names DDP's hook: under an osp mode or Horovod it is refused,
     saying what it is, before any rank connects."""
-    model = __import__("torch").nn.Linear(2, 2)
+    model = torch.nn.Linear(2, 2)
     for sync in ("osp", "bsp", "hvd"):
         args = argparse.Namespace(sync=sync, compression="powersgd", optimizer="sgd", lr=0.1, weight_decay=0.0)
         with pytest.raises(ValueError, match="DDP's PowerSGD hook .*got --sync " + sync):

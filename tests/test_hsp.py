@@ -11,20 +11,26 @@ import osp
 WORKER = os.path.join(launch.HERE, "workers", "hsp_worker.py")
 CHECKS = ["I1_replicas_equal_every_step", "stats_count_every_micro_batch",
           "I3_I4_equals_torch_optim_on_the_mean_of_all_micro_batches", "wait_at_most_about_one_micro_batch",
-          "max_extra_replicas_equal"] + [
+          "max_extra_replicas_equal", "slow_rank_warned_once_on_rank_0", "slow_rank_in_stats"] + [
     f"bad/{c}" for c in ("no_backward", "zero_grad_inside", "closure_raises", "no_update_applied",
-                         "training_goes_on", "max_extra_negative", "max_extra_float", "max_extra_bool")]
-BY_RANK = {0: ["fast_rank_computes_extras", "max_extra_caps_the_extras"], 1: ["straggler_computes_none"]}
+                         "training_goes_on", "max_extra_negative", "max_extra_float", "max_extra_bool",
+                         "sync_hsp", "sync_string")]
+FAST = ["fast_rank_computes_extras", "max_extra_caps_the_extras"]
+# (engine, ranks, what HSP composes with): BSP, OSP and DSync on both engines with 2 ranks; with 3, OSP and
+# DSync, each on one engine
+CASES = [(b, 2, s) for b in ("horovod", "torch") for s in ("bsp", "osp", "dsync")] + [
+    ("torch", 3, "osp"), ("horovod", 3, "dsync")]
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("backend", ["horovod", "torch"])
-def test_hsp_with_a_straggler(backend, tmp_path):
-    proc = launch.run("horovod" if backend == "horovod" else "spawn", 2, [WORKER, backend, str(tmp_path)],
+@pytest.mark.parametrize("backend,nranks,sync", CASES, ids=[f"{b}-{n}-{s}" for b, n, s in CASES])
+def test_hsp_with_a_straggler(backend, nranks, sync, tmp_path):
+    proc = launch.run("horovod" if backend == "horovod" else "spawn", nranks, [WORKER, backend, str(tmp_path), sync],
                       timeout=240)
     launch.check(proc)
-    for r in launch.rank_results(tmp_path, 2, proc):
-        assert sorted(r["checks"]) == sorted(CHECKS + BY_RANK[r["rank"]])
+    for r in launch.rank_results(tmp_path, nranks, proc):
+        mine = ["straggler_computes_none"] if r["rank"] == nranks - 1 else FAST
+        assert sorted(r["checks"]) == sorted(CHECKS + mine)
 
 
 def tiny(seed=0):

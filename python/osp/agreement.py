@@ -18,14 +18,17 @@ chose different blocks (e.g. GPUs of different generations contracting FMAs diff
     OSP:   nonfinite, bandwidth_mbps, edited, stale, backward_ms, iteration_ms, the mask's checksums, presence
     BSP:   presence
     DSync: grads_edited, params_edited, presence (one record per step in flight)
-    HSP:   per rank: passes, failed, arrival_ms; presence
+    HSP:   per rank: passes, failed; presence (with OSP or DSync: passes, failed, and the mode's own record)
 
 Every per-step record (one with presence flags) also counts the ranks that have joined (``opt.join()``:
 out of data, they shadow the others' steps with no gradient); ``result()`` leaves the count in
-``ctx.joined_ranks``, read alike on every rank at the same step.
+``ctx.joined_ranks``, read alike on every rank at the same step. And it carries, per rank, the rank's
+arrival (``arrival_ms``: from the end of its previous step to the post), which ``result()`` hands to
+``ctx.arrivals`` (``osp.arrivals``: which rank holds the job back).
 """
 from __future__ import annotations
 
+import time
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -109,13 +112,17 @@ class Agreement:
             ``result()`` raises where the ranks' masks differ.
         presence: one field per parameter: whether this rank has a gradient for it.
         comm: the communicator it is summed on (default the mode's ``ctx.comm``).
+        arrival: a per-rank ``arrival_ms`` (default: with ``presence``, a per-step record): the ms from the
+            end of this rank's previous step to the post, unless ``post`` is given it.
     """
 
     def __init__(self, ctx, name: str, fields: Sequence[str] = (), per_rank: Sequence[str] = (),
-                 mask_blocks: int = 0, presence: bool = True, comm=None):
+                 mask_blocks: int = 0, presence: bool = True, comm=None, arrival: Optional[bool] = None):
         self.ctx, self.name = ctx, f"{ctx.prefix}.{name}"
         self.comm = ctx.comm if comm is None else comm
         self.size, self.rank = ctx.comm.size, ctx.comm.rank
+        self._arrival = presence if arrival is None else arrival
+        per_rank = tuple(per_rank) + (("arrival_ms",) if self._arrival else ())
         names = list(fields) + (list(_CHECKSUMS) if mask_blocks else []) + (["joined"] if presence else [])
         self.fields: Dict[str, int] = {n: i for i, n in enumerate(names)}
         self.per_rank: Dict[str, int] = {n: len(names) + k * self.size for k, n in enumerate(per_rank)}
@@ -135,6 +142,9 @@ class Agreement:
         field at this rank's place; ``mask``: the block mask to checksum) and start the sum."""
         buf = self.buf
         buf.zero_()
+        if self._arrival and "arrival_ms" not in values:
+            t_end = self.ctx.t_end
+            values["arrival_ms"] = (time.perf_counter() - t_end) * 1e3 if t_end is not None else 0.0
         for k, v in values.items():
             at = self.fields[k] if k in self.fields else self.per_rank[k] + self.rank
             if torch.is_tensor(v):
@@ -203,6 +213,9 @@ class Agreement:
                         "that all ranks run the same osp, torch and hardware kind")
         if self._presence:
             self.ctx.joined_ranks = int(round(out.total("joined")))
+        # while a rank has joined (out of data) it computes nothing: no arrivals to compare
+        if self._arrival and self.ctx.arrivals is not None and not self.ctx.joined_ranks:
+            self.ctx.arrivals.record(out.per_rank("arrival_ms"))
         return out
 
 

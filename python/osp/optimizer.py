@@ -26,6 +26,7 @@ import torch
 from . import amp, keywords, parameters, teardown
 from . import compression as compression_
 from .accumulation import Accumulation
+from .arrivals import Arrivals
 from .comm import Comm, get_comm
 from .correction import unhooked_step
 from .modes.base import Context, Mode, StepInput
@@ -128,7 +129,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                             order=self._order, extra_passes=lambda ref=ref: ref()._acc.extra(),
                             on_synced=lambda ref=ref: ref()._synced_now(),
                             prefix=f"{self.comm.prefix}{self._signature[1]}",
-                            postscale=reduction.postscale, compression=compressor)
+                            postscale=reduction.postscale, compression=compressor,
+                            arrivals=Arrivals(self.comm.rank))
         for wire in {self._ctx.wire(fg) for fg in self.groups} - {None}:  # refused here, not at a step
             self.comm.check_dtype(wire, f"the wire of compression={compressor!r}")
         self.mode: Mode = sync.build(self._ctx)
@@ -239,11 +241,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         finally:
             self._acc.fresh = False
             self._acc.new_step()
+            self._ctx.arrivals.next_step()
         amp.report(scaler, rec.pop("overflow", None))
         if rec.get("skipped") and scaler is None:  # a GradScaler expects overflows and reports them
             self._warn_skipped()
         loss = rec.pop("loss", None)
-        self._t_end = time.perf_counter()
+        self._t_end = self._ctx.t_end = time.perf_counter()
         rec.update(compute_s=inp.compute_s, step_s=self._t_end - t0)
         self._log.record(rec)
         return loss
@@ -401,6 +404,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         compute time between steps, whole step time, skipped) and totals, plus the mode's own
         figures."""
         out = self._log.stats(self.sync.name)
+        out["arrivals"] = self._ctx.arrivals.stats()
         out.update(self.mode.stats())
         return out
 
@@ -417,7 +421,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.mode = self.sync.build(self._ctx)
         self.mode.load_state_dict(kept)  # and takes over the optimizer's state (flat buffers)
         self._acc.reset(self.mode)
-        self._t_end = None
+        self._t_end = self._ctx.t_end = None
+        self._ctx.arrivals = Arrivals(self.comm.rank)
 
     def check_world(self) -> None:
         """A collective: every rank of the engine's world wraps the same parameters with the same

@@ -1,12 +1,14 @@
 """Rank program for the HSP tests: a straggler, the extra micro-batches the fast rank computes, and
 the update replayed from a record of every micro-batch of every rank.
 
-Usage: hsp_worker.py BACKEND OUTDIR
+Usage: hsp_worker.py BACKEND OUTDIR [SYNC]
 
-Rank 1 is the straggler: each of its micro-batches takes SLOW seconds (a sleep before backward), rank
-0's take FAST. The model is a small MLP on scikit-learn's digits. Checks, as named results in
-OUTDIR/rank<R>.json:
-- I1: replicas bitwise equal after every step;
+SYNC is what HSP composes with: ``bsp`` (default), ``osp`` (OSP(critical=0.25) on small blocks),
+``osp-auto`` or ``dsync`` (DSync(delay=2)). The last rank is the straggler: each of its micro-batches takes
+SLOW seconds (a sleep before backward), the others' take FAST. The model is a small MLP on scikit-learn's
+digits. Checks, as named results in OUTDIR/rank<R>.json:
+- I1: replicas bitwise equal after every step (BSP), and wherever the composed mode says they are
+  (``on_synced``: OSP's corrections, DSync's exact updates) and after ``flush()``;
 - I3: the parameters equal plain torch.optim (SGD with momentum, clipping on some steps) applied to the
   mean of every micro-batch gradient of every rank, replayed from the record;
 - I4: a checkpoint taken mid-run and loaded into a new model and optimizer continues that trajectory;
@@ -20,6 +22,7 @@ import io
 import statistics
 import sys
 import time
+import warnings
 
 import ranks
 import torch
@@ -28,10 +31,12 @@ import torch.nn.functional as F
 import osp
 
 backend, outdir = sys.argv[1], sys.argv[2]
+SYNC = sys.argv[3] if len(sys.argv) > 3 else "bsp"
 comm = ranks.start(backend)
 rank, size = comm.rank, comm.size
+SLOW_RANK = size - 1
 results, check, expect_error = ranks.results, ranks.check, ranks.expect_error
-FAST, SLOW = 0.04, 0.2  # seconds per micro-batch on rank 0 and on rank 1 (the straggler)
+FAST, SLOW = 0.03, 0.15  # seconds per micro-batch on the fast ranks and on the last one (the straggler)
 MB = 16  # samples per micro-batch
 
 
@@ -54,9 +59,18 @@ def sgd(params):
     return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-3)
 
 
+def composed():
+    return {"bsp": osp.BSP(), "osp": osp.OSP(critical=0.25, block_size=64),
+            "osp-auto": osp.OSP(critical="auto", block_size=64, warmup=1), "dsync": osp.DSync(delay=2)}[SYNC]
+
+
+SYNCED = []  # digests at every point the optimizer says the replicas are equal (on_synced)
+
+
 def wrap(model, max_extra=4, **kw):
     return osp.DistributedOptimizer(sgd(model.parameters()), model.named_parameters(),
-                                    sync=osp.HSP(max_extra=max_extra), backend=backend, timeout=60, **kw)
+                                    sync=osp.HSP(max_extra=max_extra, sync=composed()), backend=backend, timeout=60,
+                                    on_synced=lambda o: SYNCED.append(digest(model)), **kw)
 
 
 def indices(step, r, j):
@@ -78,18 +92,24 @@ CLIP = {2, 5}  # steps clipped with opt.clip_grad_norm_(MAX_NORM)
 MAX_NORM = 0.5
 
 
-def hsp_step(model, opt, step, delay):
+def hsp_step(model, opt, step, delay, record=None):
     """One step as a user writes it: the first micro-batch, then opt.step(extra). Returns how many
-    micro-batches this rank computed."""
+    micro-batches this rank computed; ``record`` (a list) receives each micro-batch's gradient, computed
+    where this rank's parameters are (OSP's and DSync's provisional points included)."""
     opt.zero_grad()
-    time.sleep(delay)
-    loss_of(model, step, rank, 0).backward()
+
+    def micro_batch(j):
+        time.sleep(delay)
+        loss = loss_of(model, step, rank, j)
+        if record is not None:
+            record.append([g.clone() for g in torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)])
+        loss.backward()
+        return loss
+    micro_batch(0)
     n = [1]
 
     def extra():
-        time.sleep(delay)
-        loss = loss_of(model, step, rank, n[0])
-        loss.backward()
+        loss = micro_batch(n[0])
         n[0] += 1
         return loss
     if step in CLIP:
@@ -99,14 +119,26 @@ def hsp_step(model, opt, step, delay):
 
 
 def straggler_run():
-    steps, resume_at = 8, 4
-    delay = SLOW if rank == 1 else FAST
+    steps, resume_at = 10, 6
+    delay = SLOW if rank == SLOW_RANK else FAST
     model = mlp()
     opt = wrap(model, max_extra=6)
-    counts, digests, recorded = [], [], []
+    counts, digests, recorded, grads = [], [], [], []
+    SYNCED.clear()
+    caught = warnings.catch_warnings(record=True)
+    warned = caught.__enter__()
+    warnings.simplefilter("always")
     for step in range(steps):
         if step == resume_at:  # I4: checkpoint, then continue in a new model and optimizer
             opt.flush()
+            # the slow rank, named: by every rank's stats, warned once on rank 0 (5 steps of arrivals)
+            caught.__exit__(None, None, None)
+            arrivals = opt.stats()["arrivals"]
+            check("slow_rank_in_stats", arrivals["slow_rank"] == SLOW_RANK and arrivals["slower"] > 1.5
+                  and arrivals["lag_ms"][SLOW_RANK] > 500 * (SLOW - FAST), arrivals)
+            named = [str(w.message) for w in warned if "slower than the median" in str(w.message)]
+            check("slow_rank_warned_once_on_rank_0", len(named) == (1 if rank == 0 else 0)
+                  and all(f"rank {SLOW_RANK} is " in m for m in named), named)
             buf = io.BytesIO()
             torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
             buf.seek(0)
@@ -115,23 +147,26 @@ def straggler_run():
             model.load_state_dict(ck["model"])
             opt = wrap(model, max_extra=6)
             opt.load_state_dict(ck["opt"])
-        counts.append(hsp_step(model, opt, step, delay))
-        digests.append(digest(model))
+        grads.append([])
+        counts.append(hsp_step(model, opt, step, delay, grads[-1]))
+        if SYNC == "bsp":  # the composed modes move provisionally between their exact points
+            digests.append(digest(model))
         recorded.append(opt.stats()["history"][-1])
     opt.flush()
-    everyone = comm.allgather_object({"counts": counts, "digests": digests, "recorded": recorded})
-    check("I1_replicas_equal_every_step", all(e["digests"] == everyone[0]["digests"] for e in everyone))
+    digests += SYNCED + [digest(model)]
+    everyone = comm.allgather_object({"counts": counts, "digests": digests, "recorded": recorded, "grads": grads})
+    check("I1_replicas_equal_every_step", all(e["digests"] == everyone[0]["digests"] for e in everyone)
+          and len(digests) >= steps - 2, [len(e["digests"]) for e in everyone])
     check("stats_count_every_micro_batch",
           all(rec["micro_batches"] == [e["counts"][s] for e in everyone] for s, rec in enumerate(recorded)),
           [rec["micro_batches"] for rec in recorded])
-    # I3 and I4: plain torch.optim on the mean of every micro-batch of every rank, from the start
+    # I3 and I4: plain torch.optim on the mean of every recorded micro-batch gradient of every rank, from the start
     ref = mlp()
     ropt = sgd(ref.parameters())
     for step in range(steps):
-        ropt.zero_grad()
-        batches = [(r, j) for r, e in enumerate(everyone) for j in range(e["counts"][step])]
-        for r, j in batches:
-            (loss_of(ref, step, r, j) / len(batches)).backward()
+        grads = [g for e in everyone for g in e["grads"][step]]
+        for k, p in enumerate(ref.parameters()):
+            p.grad = sum(g[k] for g in grads) / len(grads)
         if step in CLIP:
             torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
         ropt.step()
@@ -141,7 +176,7 @@ def straggler_run():
           f"max abs diff {float((a - b).abs().max()):.3g}")
     extras = [rec["extras"] for rec in recorded]
     waits = [rec["wait_s"] for rec in recorded]
-    if rank == 0:  # the fast rank computes instead of waiting: about SLOW / FAST - 1 extras a step
+    if rank != SLOW_RANK:  # a fast rank computes instead of waiting: about SLOW / FAST - 1 extras a step
         check("fast_rank_computes_extras", sum(extras) >= 2 * steps and max(extras) <= 6, extras)
     else:
         check("straggler_computes_none", sum(extras) <= 1, extras)
@@ -156,7 +191,7 @@ def straggler_run():
         hsp_step(model, opt, step, delay)
         extras.append(opt.stats()["history"][-1]["extras"])
     opt.flush()
-    if rank == 0:
+    if rank != SLOW_RANK:
         check("max_extra_caps_the_extras", extras == [1, 1, 1], extras)
     check("max_extra_replicas_equal", len(set(comm.allgather_object(digest(model)))) == 1)
 
@@ -176,7 +211,7 @@ def bad_closures():
         busy machine), and what is checked is that rank 0's failure reaches it."""
         def run():
             opt.zero_grad()
-            if rank == 1:
+            if rank == SLOW_RANK:
                 time.sleep(0.3)
             loss_of(model, 0, rank, 0).backward()
             opt.step(closure_fn if rank == 0 else good)
@@ -213,6 +248,9 @@ def bad_closures():
     for name, value in (("negative", -1), ("float", 1.5), ("bool", True)):
         expect_error(f"bad/max_extra_{name}", ValueError, r"HSP\(max_extra\) must be an integer >= 0",
                      lambda v=value: osp.HSP(max_extra=v))
+    for name, value in (("hsp", osp.HSP()), ("string", "osp")):
+        expect_error(f"bad/sync_{name}", ValueError, r"HSP\(sync\) must be osp.BSP\(\), osp.OSP\(...\) or osp.DSync",
+                     lambda v=value: osp.HSP(sync=v))
 
 
 ranks.run_all([straggler_run, bad_closures])

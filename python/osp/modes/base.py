@@ -29,6 +29,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 
 from .. import agreement, ops
+from ..arrivals import Arrivals
 from ..comm import Comm
 from ..compression import Compression, Compressor, wire_dtype
 from ..layout import FlatGroup
@@ -54,6 +55,9 @@ class StepInput:
     #: a GradScaler's ``(grad_scale, found_inf)`` for a wrapped optimizer that unscales itself (``fused``),
     #: where ``.grad`` is the average (BSP)
     amp: Optional[tuple] = None
+    #: where this rank's own gradient moves the parameters provisionally (OSP's deferred blocks, DSync's
+    #: local update), multiply it by this first: under HSP, what makes it this rank's own mean
+    provisional: float = 1.0
     #: ``step(closure)`` (modes with ``accepts_closure``): the user's extra micro-batch
     closure: Optional[Callable[[], object]] = None
 
@@ -80,6 +84,11 @@ class Context:
     joined_ranks: int = 0
     #: what the gradients travel as (``osp.compression``; the per-step records always go as float32)
     compression: Compressor = Compression.none
+    #: when this rank's previous step returned (``time.perf_counter()``; None before the first): the
+    #: per-step records' arrival times count from here
+    t_end: Optional[float] = None
+    #: every rank's arrivals, from the per-step records (``osp.arrivals``; None: not kept)
+    arrivals: Optional[Arrivals] = None
 
     def wire(self, fg) -> Optional[torch.dtype]:
         """The dtype flat group ``fg``'s gradient travels in, where it is not its own (None)."""

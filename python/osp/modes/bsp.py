@@ -38,6 +38,7 @@ class BSPMode(Mode):
         self.buckets = Buckets(ctx.groups, options.bucket_mb, ctx.comm, f"{ctx.prefix}.bsp", wire=ctx.wire)
         self._present = Agreement(ctx, "bsp.present")
         self._synced = None  # seconds the averaging took, once it finished for the coming step
+        self._absent = [set() for _ in ctx.groups]  # per flat group: its parameters without a gradient anywhere
 
     def on_ready(self, p):
         self.buckets.on_ready(p)
@@ -67,7 +68,8 @@ class BSPMode(Mode):
         handles.append(self._present.post())
         self.buckets.wait(handles, ctx.timeout, "gradient allreduce")
         ctx.scale_grads(ctx.postscale)  # gradient_predivide_factor: the sum was of gradients / factor
-        for fg, a in zip(ctx.groups, self._present.result("gradient allreduce").absent()):
+        self._absent = self._present.result("gradient allreduce").absent()
+        for fg, a in zip(ctx.groups, self._absent):
             fg.set_grads(a)
         self._synced = time.perf_counter() - t0
 
@@ -82,6 +84,8 @@ class BSPMode(Mode):
         if self.ctx.any_nonfinite():
             rec["skipped"] = True
             return rec
+        if inp.max_norm is not None:  # osp.HSP(sync=...) hands it here; the optimizer clips the average itself
+            self.ctx.clip_(inp.max_norm, absent=self._absent)
         opt = self.ctx.optimizer
         if inp.amp is not None:  # a fused optimizer unscales (and checks) the average itself
             opt.grad_scale, opt.found_inf = inp.amp

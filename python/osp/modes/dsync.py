@@ -147,6 +147,7 @@ class DSyncMode(Mode):
         handles.append(self._agree[slot].post(grads_edited=bool(inp.edited), params_edited=self._probe.edited()))
         # the provisional update uses this rank's own gradient, unscaled and clipped by its own norm
         ctx.scale_grads(inp.unscale)
+        ctx.scale_grads(inp.provisional)
         if inp.max_norm is not None:
             ctx.clip_(inp.max_norm, absent=[fg.absent for fg in ctx.groups])
         own_nonfinite = ctx.nonfinite()  # read with the first due average's record: one read per step

@@ -314,6 +314,7 @@ class OSPMode(Mode):
         self.split.budget.update(ctx.nbytes, side.mean("bandwidth_mbps") * 1e6, side.mean("backward_ms") * 1e-3,
                            side.mean("iteration_ms") * 1e-3)
         scoring = self.split.budget.needs_scores or self.split.scores is not None and deferring
+        ctx.scale_grads(inp.provisional)  # this rank's own gradient, where it moves the deferred blocks
         for gi, (fg, crit) in enumerate(zip(ctx.groups, crits)):
             mask = self.split.group_mask(gi)
             if s1.scaled:

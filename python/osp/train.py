@@ -138,17 +138,10 @@ def make_optimizer(args, model, comm, backend):
         raise ValueError(f"--compression powersgd is DDP's PowerSGD hook (--sync ddp), got --sync {args.sync}: "
                          "osp and Horovod compress with fp16 (or bf16 on osp)")
     if args.sync in OSP_MODES:
-        if args.sync == "bsp":
-            sync = osp.BSP()
-        elif args.sync == "hsp":
-            sync = osp.HSP(max_extra=args.max_extra)
-        elif args.sync == "dsync":
-            delay = args.delay if args.delay == "auto" else int(args.delay)
-            sync = osp.DSync(delay=delay, max_delay=max(args.max_delay, 1 if delay == "auto" else delay))
+        if args.sync == "hsp":  # composed with --hsp-sync, built from the same flags
+            sync = osp.HSP(max_extra=args.max_extra, sync=sync_mode(args, getattr(args, "hsp_sync", "bsp")))
         else:
-            crit = args.critical if args.critical == "auto" else float(args.critical)
-            sync = osp.OSP(critical=crit, min_critical=args.min_critical, block_size=args.block_size,
-                           metric=args.metric, stage2_compression=args.stage2_compression)
+            sync = sync_mode(args, args.sync)
         return model, osp.DistributedOptimizer(inner, model.named_parameters(), sync=sync, backend=backend,
                                                compression=args.compression)
     if args.sync == "hvd":
@@ -165,6 +158,29 @@ def make_optimizer(args, model, comm, backend):
         inner = type(inner)(ddp.parameters(), **inner.defaults)
         return ddp, inner
     raise ValueError(f"unknown --sync {args.sync!r}")
+
+
+def arrivals_line(a: dict) -> str:
+    """``stats()["arrivals"]`` in one line: which rank holds the job back, if one does."""
+    if not a["steps"]:
+        return "osp.train: arrivals: not measured (one rank, or too few steps)"
+    means = " ".join(f"{m:.0f}" for m in a["arrival_ms"])
+    if a["slow_rank"] is None:
+        return f"osp.train: no slow rank (mean ms from step to synchronization per rank: {means})"
+    return (f"osp.train: slow rank {a['slow_rank']}: {a['slower']:.1f}x slower than the median of the others "
+            f"(mean ms from step to synchronization per rank: {means})")
+
+
+def sync_mode(args, name: str):
+    """``osp.BSP``, ``osp.OSP`` or ``osp.DSync`` from the flags (``name``: ``bsp``, ``osp`` or ``dsync``)."""
+    if name == "bsp":
+        return osp.BSP()
+    if name == "dsync":
+        delay = args.delay if args.delay == "auto" else int(args.delay)
+        return osp.DSync(delay=delay, max_delay=max(args.max_delay, 1 if delay == "auto" else delay))
+    crit = args.critical if args.critical == "auto" else float(args.critical)
+    return osp.OSP(critical=crit, min_critical=args.min_critical, block_size=args.block_size,
+                   metric=args.metric, stage2_compression=args.stage2_compression)
 
 
 def register_ddp_compression(ddp, name: str) -> None:
@@ -433,7 +449,7 @@ class Faults:
                 os.kill(os.getpid(), signal.SIGKILL)
 
 
-CHECKPOINT_KEYS = ("sync", "critical", "delay", "optimizer", "batch_size", "width", "channels", "seed")
+CHECKPOINT_KEYS = ("sync", "hsp_sync", "critical", "delay", "optimizer", "batch_size", "width", "channels", "seed")
 
 
 def run_with_checkpoints(job: Job, pos: dict, fault: Faults) -> dict:
@@ -455,7 +471,8 @@ def run_with_checkpoints(job: Job, pos: dict, fault: Faults) -> dict:
     if found is not None:
         step, path, ck = found
         mine = {k: getattr(args, k) for k in CHECKPOINT_KEYS}
-        diff = {k: (ck["config"].get(k), v) for k, v in mine.items() if ck["config"].get(k) != v}
+        was = {"hsp_sync": "bsp"} | ck["config"]  # written before --hsp-sync: HSP was with BSP
+        diff = {k: (was.get(k), v) for k, v in mine.items() if was.get(k) != v}
         if diff:
             raise SystemExit(f"osp.train: checkpoint {path} was written by another configuration "
                              f"(checkpoint vs this run: {diff}); use another --checkpoint-dir")
@@ -540,6 +557,9 @@ def main(argv=None):
     ap.add_argument("--delay", default="2", help="DSync delay: an integer >= 1 or 'auto'")
     ap.add_argument("--max-delay", type=int, default=4, help="DSync: the largest delay 'auto' may choose")
     ap.add_argument("--max-extra", type=int, default=4, help="HSP: extra micro-batches a rank may compute a step")
+    ap.add_argument("--hsp-sync", choices=["bsp", "osp", "dsync"], default="bsp",
+                    help="HSP: what synchronizes the gradient once every rank is ready (osp: with --critical, "
+                    "dsync: with --delay): stragglers and a slow network hidden at once")
     ap.add_argument("--straggler", default=None, metavar="RANK:FACTOR",
                     help="make RANK's compute FACTOR times slower (a sleep of FACTOR-1 times its measured "
                          "micro-batch compute, between forward and backward)")
@@ -641,7 +661,8 @@ def main(argv=None):
     progress = Progress(rank == 0 and not args.no_progress)
     job = Job(args, comm, model, opt, data, slow_s, progress)
     if rank == 0:
-        progress.epoch(f"osp.train: sync={args.sync} critical={args.critical} ranks={size} backend={backend} "
+        hsp = f"+{args.hsp_sync}" if args.sync == "hsp" and args.hsp_sync != "bsp" else ""
+        progress.epoch(f"osp.train: sync={args.sync}{hsp} critical={args.critical} ranks={size} backend={backend} "
                        f"params={nparams} steps/epoch={job.steps_per_epoch(size)} seed={args.seed}")
     faults = Faults(faults, job)
     pos = new_position(size)
@@ -668,6 +689,9 @@ def main(argv=None):
             result["osp_stats"]["delay"] = st["delay"]
         if "hsp" in st:
             result["osp_stats"]["hsp"] = st["hsp"]
+        result["osp_stats"]["arrivals"] = st["arrivals"]
+        if rank == 0:
+            print(arrivals_line(st["arrivals"]), flush=True)
     if rank == 0 and args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as fh:

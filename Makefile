@@ -22,7 +22,7 @@ test-only:
 	$(PY) -m pytest -q -rs $(PYTEST_ARGS)
 
 # A user's script that returns without any teardown must exit 0: 200 launches under torchrun and
-# 200 under horovodrun, two at a time (about 30 minutes on 2 cores). `make test` runs 20 of each.
+# 200 under horovodrun, two at a time (about 30 minutes on 2 cores). `make test` runs 10 of each.
 stress-exit: install
 	OSP_EXIT_RUNS=200 $(PY) -m pytest -q -s tests/test_exit.py
 

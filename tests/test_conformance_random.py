@@ -155,7 +155,7 @@ def loops(draw) -> Loop:
     n = draw(st.integers(4, 9))
     # DSync(delay=d) hears of an overflow when its average lands, d steps later (README, "Works with"): the
     # scaler's scale follows torch's d steps late, so the last d steps have none (the run would end first)
-    late = int(mode.split("-")[1]) if C.MODES[mode].family == "dsync" and mode != "dsync-auto" else 0
+    late = C.MODES[mode].late
     # torch's fused optimizers, handed found_inf by the scaler, set up the state of a parameter whose first
     # gradient came in a skipped step (fused SGD: its momentum buffer from torch.empty_like, or a
     # TypeError; fused Adam: state where none should be); osp skips such a step whole. No reference to

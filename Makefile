@@ -8,7 +8,7 @@ CUDA_SRCS := $(wildcard csrc/cuda/*.cu)
 CUDA_CPP_SRCS := $(wildcard csrc/cuda/*.cpp)
 PYTEST_ARGS ?=
 
-.PHONY: install test test-only lint cuda-check gpu-check bench-kernels bench-accuracy bench-stragglers bench-faults bench-tta bench-compression demo bench stress-exit mutation conformance-random clean
+.PHONY: install test test-only lint cuda-check gpu-check bench-kernels bench-accuracy bench-stragglers bench-stragglers-net bench-faults bench-tta bench-compression demo bench stress-exit mutation conformance-random clean
 
 install:
 	@bash scripts/install.sh
@@ -83,6 +83,17 @@ bench-accuracy: install
 # small-micro-batch table of README, about 20).
 bench-stragglers: install
 	$(PY) bench/stragglers.py $(BENCH_ARGS)
+
+# A straggler and a slow link at once (needs root): HSP composed with OSP(auto) and DSync(2) against HSP alone,
+# OSP(auto) alone, osp BSP and DDP, 2 ranks behind 1 Gbit/s, the last rank 2x and 4x slower, then balanced; and the
+# time to accuracy on digits at 2x, 3 seeds (about 25 minutes).
+bench-stragglers-net: install
+	$(PY) bench/train_throughput.py --models mlp --ranks 2 --bandwidths 1gbit --stragglers 2,4 --contenders stragglers \
+	    --steps 10 --warmup 12 --repeats 2 --no-digits --json bench/out/throughput_stragglers_1gbit_r2.json
+	$(PY) bench/train_throughput.py --models mlp --ranks 2 --bandwidths 1gbit --stragglers 1 --contenders stragglers \
+	    --steps 10 --warmup 12 --repeats 1 --no-digits --json bench/out/throughput_stragglers_1gbit_r2_balanced.json
+	$(PY) bench/time_to_accuracy.py --contenders stragglers --straggler 2 --run-timeout 300 \
+	    --json bench/out/time_to_accuracy_stragglers.json
 
 # Faults survived: SIGKILLed ranks under Horovod Elastic (3 ranks, 2 kills) and under torchrun restarts
 # (1 kill), each against the same job without faults, 3 seeds (3-4 minutes).

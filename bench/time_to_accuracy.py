@@ -44,13 +44,19 @@ CONTENDERS = {
     "ddp": (["--sync", "ddp"], "torch"),
     "hvd": (["--sync", "hvd"], "horovod"),
     "osp-auto": (["--sync", "osp", "--critical", "auto"], "torch"),
+    # HSP alone (with BSP) and composed with OSP(auto) and DSync(2): for --straggler
+    "hsp": (["--sync", "hsp"], "torch"),
+    "hsp-osp-auto": (["--sync", "hsp", "--hsp-sync", "osp", "--critical", "auto"], "torch"),
+    "hsp-dsync-2": (["--sync", "hsp", "--hsp-sync", "dsync", "--delay", "2"], "torch"),
 }
-COLORS = {"bsp": "tab:blue", "ddp": "tab:gray", "hvd": "tab:orange", "osp-auto": "tab:green"}
+COLORS = {"bsp": "tab:blue", "ddp": "tab:gray", "hvd": "tab:orange", "osp-auto": "tab:green", "hsp": "tab:purple",
+          "hsp-osp-auto": "tab:red", "hsp-dsync-2": "tab:brown"}
 # a contender may carry "+fp16" / "+bf16" (osp.train --compression: osp's compression=, Horovod's
 # Compression.fp16, DDP's compress hooks) or "+powersgd" (DDP's PowerSGD hook: rank 4, error feedback)
 COMPRESSIONS = ("fp16", "bf16", "powersgd")
 LINES = {"": "-", "fp16": "--", "bf16": "-.", "powersgd": ":"}  # the plot's line per compression
-PRESETS = {"compression": ["bsp", "bsp+fp16", "ddp+fp16", "ddp+powersgd", "hvd+fp16", "osp-auto", "osp-auto+fp16"]}
+PRESETS = {"compression": ["bsp", "bsp+fp16", "ddp+fp16", "ddp+powersgd", "hvd+fp16", "osp-auto", "osp-auto+fp16"],
+           "stragglers": ["bsp", "ddp", "osp-auto", "hsp", "hsp-osp-auto"]}
 TARGET_RULE = "mean over seeds of BSP's final test accuracy (last epoch)"
 # per model: where compute and the allreduce are within 2x of each other at 1 Gbit/s on 2 ranks (the MLP:
 # ~70 ms against ~140 ms a step, its big layer's gradient ready only at the end of the backward), or as close
@@ -82,7 +88,15 @@ def train_argv(contender: str, seed: int, a, out: str, progress: bool = False) -
     return [sys.executable, "-m", "osp.train", *opts, "--backend", engine, "--epochs", str(a.epochs),
             "--batch-size", str(a.batch_size), "--lr", str(a.lr), "--model", a.model, "--eval-every", str(a.eval_every),
             "--width", str(a.width),
-            "--channels", str(a.channels), "--seed", str(seed), "--json", out] + ([] if progress else ["--no-progress"])
+            "--channels", str(a.channels), "--seed", str(seed), "--json", out] + straggler_argv(a) \
+        + ([] if progress else ["--no-progress"])
+
+
+def straggler_argv(a) -> list:
+    """``--straggler FACTOR``: the last rank that many times slower, HSP's cap on extras."""
+    if getattr(a, "straggler", 1.0) == 1.0:
+        return []
+    return ["--max-extra", str(a.max_extra), "--straggler", f"{a.ranks - 1}:{a.straggler:g}"]
 
 
 def _follow(path: str, stop: threading.Event, emit) -> None:
@@ -210,7 +224,8 @@ def tables(summary: dict, a, bases=("bsp",)) -> str:
     head = (f"{a.ranks} ranks behind {a.rate} links; {model_name(a)}"
             f"{' (' + str(a.params) + ' parameters)' if getattr(a, 'params', None) else ''}, SGD momentum 0.9, "
             f"lr {a.lr}, batch {a.batch_size} per rank, {a.epochs} epochs (evaluated every "
-            f"{getattr(a, 'eval_every', 1)}), seeds {a.seeds}.\n"
+            f"{getattr(a, 'eval_every', 1)}), seeds {a.seeds}"
+            + (f", rank {a.ranks - 1} {a.straggler:g}x slower" if getattr(a, "straggler", 1.0) != 1.0 else "") + ".\n"
             f"Target: {100 * summary['target']:.2f}% = {summary['target_rule']}. Times are training wall time "
             f"(evaluation and start-up excluded) at the end of the first epoch reaching it; speedup vs X = X's "
             f"time / the contender's.\n")
@@ -315,6 +330,9 @@ def main(argv=None):
                     "the averages in flight")
     ap.add_argument("--lr", type=float, default=0.1)
     ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--straggler", type=float, default=1.0, metavar="FACTOR", help="the last rank computes FACTOR "
+                    "times slower (osp.train --straggler); the stragglers preset runs HSP alone and composed")
+    ap.add_argument("--max-extra", type=int, default=4, help="HSP's extra micro-batches per step (with --straggler)")
     ap.add_argument("--run-timeout", type=float, default=600, help="seconds per run")
     ap.add_argument("--json", default=os.path.join(ROOT, "bench", "out", "time_to_accuracy.json"))
     ap.add_argument("--plot", default=None, help="default: the --json path with .png")

@@ -25,6 +25,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -43,6 +44,10 @@ COMPRESSION_CONTENDERS = ["compute", "allreduce", "allreduce+fp16", "ddp", "ddp+
                           "dsync-2", "dsync-2+fp16"]
 # --variation: a link whose rate changes while training runs, and compute that varies per step
 VARIATION_CONTENDERS = ["dsync-auto", "dsync-2", "dsync-4", "osp-auto", "osp-bsp", "ddp", "hvd"]
+# --contenders stragglers (with --stragglers 1,2,4: the last rank that many times slower): HSP alone ("hsp-bsp"),
+# composed with OSP(auto) and DSync(2), against OSP(auto) alone, osp BSP and DDP; "hsp-<mode>" is osp.HSP(sync=<mode>)
+STRAGGLER_CONTENDERS = ["compute", "allreduce", "ddp", "osp-bsp", "osp-auto", "hsp-bsp", "hsp-osp-auto",
+                        "hsp-dsync-2"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -108,16 +113,8 @@ def worker(a):
         register_ddp_compression(net, comp or "none")
         opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
     else:
-        family, mode = name.split("-", 1)
-        if family == "dsync":
-            sync = osp.DSync(delay=mode if mode == "auto" else int(mode), max_delay=max(4, 1 if mode == "auto"
-                                                                                      else int(mode)))
-        elif mode == "bsp":
-            sync = osp.BSP()
-        else:
-            sync = osp.OSP(critical=mode if mode == "auto" else float(mode), block_size=a.block_size,
-                           stage2_compression="fp16" if comp == "s2fp16" else None)
-        opt = osp.DistributedOptimizer(inner, model.named_parameters(), sync=sync, backend=comm,
+        family = name.split("-", 1)[0]
+        opt = osp.DistributedOptimizer(inner, model.named_parameters(), sync=osp_sync(name, a, comp), backend=comm,
                                        compression=comp if comp in ("fp16", "bf16") else None)
         net = model
     # compute that varies from step to step (e.g. batches of different cost): extra work of a random
@@ -131,20 +128,40 @@ def worker(a):
         while time.perf_counter() < end:
             torch.mm(busy_a, busy_a)
 
-    times = []
+    # --straggler K: the last rank's micro-batches take K times the compute (a sleep between forward and
+    # backward, as osp.train's --straggler)
+    slow_s = (a.straggler - 1.0) * compute_alone if comm.rank == comm.size - 1 else 0.0
+
+    def micro_batch():
+        loss = loss_fn(net(x), y)
+        if slow_s:
+            time.sleep(slow_s)
+        loss.backward()
+        return loss
+
+    times, micro_batches = [], []
+    caught = warnings.catch_warnings(record=True)
+    warned = caught.__enter__()
+    warnings.simplefilter("always")
     for _ in range(a.warmup + a.steps):
         t0 = time.perf_counter()
         if name == "allreduce":
             torch.distributed.all_reduce(buf)
             times.append(time.perf_counter() - t0)
+            micro_batches.append(comm.size)
             continue
         if a.jitter:
             extra_s.append(float(torch.rand((), generator=rng)) * a.jitter * compute_alone)
             busy(extra_s[-1])
         work = torch.distributed.all_reduce(buf, async_op=True) if name == "overlap" else None
         opt.zero_grad()
-        loss_fn(net(x), y).backward()
-        opt.step()
+        micro_batch()
+        if family == "hsp":  # the ranks that are ahead compute more micro-batches meanwhile
+            opt.step(micro_batch)
+            micro_batches.append(sum(opt.last_step()["micro_batches"]))
+        else:
+            opt.step()
+            micro_batches.append(comm.size)
         if work is not None:
             work.wait()
         times.append(time.perf_counter() - t0)
@@ -152,15 +169,20 @@ def worker(a):
     if isinstance(opt, osp.DistributedOptimizer):
         opt.flush()
     flush_s = time.perf_counter() - t0
+    caught.__exit__(None, None, None)
     # total: what the run took, the averages still in flight at the end included (a delay must not
     # hide its last steps' communication); median: the median step, robust to outliers
     if a.timing == "total":
         step_s = (sum(times[a.warmup:]) + flush_s) / a.steps
     else:
         step_s = statistics.median(times[a.warmup:])
+    # samples: every micro-batch of every rank (HSP's extras included), over the measured steps
+    per_step = statistics.mean(micro_batches[a.warmup:])
     out = {"model": a.model, "contender": a.contender, "ranks": comm.size, "params": nparams, "batch": a.batch,
-           "step_s": step_s, "samples_per_s": a.batch * comm.size / step_s, "compute_alone_s": compute_alone,
-           "extra_compute_s": statistics.mean(extra_s[a.warmup:]) if extra_s else 0.0, "bytes": nparams * 4}
+           "step_s": step_s, "samples_per_s": a.batch * per_step / step_s, "micro_batches_per_step": per_step,
+           "straggler": a.straggler, "max_extra": a.max_extra, "compute_alone_s": compute_alone,
+           "extra_compute_s": statistics.mean(extra_s[a.warmup:]) if extra_s else 0.0, "bytes": nparams * 4,
+           "slow_rank_warnings": [str(w.message) for w in warned if "slower than the median" in str(w.message)]}
     if isinstance(opt, osp.DistributedOptimizer):
         stats = opt.stats()
         full = stats["history"]
@@ -173,6 +195,9 @@ def worker(a):
         out["criticals"] = [h.get("critical_fraction") for h in full]
         if "budget" in stats:  # what OSP auto measured and tried
             out["budget"] = stats["budget"]
+        out["arrivals"] = stats["arrivals"]
+        if "hsp" in stats:
+            out["hsp"] = stats["hsp"]
         if family == "dsync":
             delays = [h["delay"] for h in hist]
             out.update(delay_median=statistics.median(delays), delay_max=max(delays),
@@ -191,6 +216,25 @@ def worker(a):
         torch.distributed.destroy_process_group()
 
 
+def osp_sync(name: str, a, comp: str = ""):
+    """The osp mode of a contender's name: ``osp-bsp``, ``osp-<share>``, ``osp-auto``, ``dsync-<delay>``,
+    ``dsync-auto``, ``hsp-<one of those, or bsp>`` (``osp.HSP(max_extra=--max-extra, sync=...)``)."""
+    import osp
+
+    if name == "bsp":
+        return osp.BSP()
+    family, mode = name.split("-", 1)
+    if family == "hsp":
+        return osp.HSP(max_extra=a.max_extra, sync=osp_sync(mode, a, comp))
+    if family == "dsync":
+        return osp.DSync(delay=mode if mode == "auto" else int(mode), max_delay=max(4, 1 if mode == "auto"
+                                                                                 else int(mode)))
+    if mode == "bsp":
+        return osp.BSP()
+    return osp.OSP(critical=mode if mode == "auto" else float(mode), block_size=a.block_size,
+                   stage2_compression="fp16" if comp == "s2fp16" else None)
+
+
 # ------------------------------------------------------------------------------------------------
 # driver side
 
@@ -199,15 +243,16 @@ def ring_seconds(nbytes, ranks, bits_per_s):
     return 2 * (ranks - 1) / ranks * nbytes * 8 / bits_per_s
 
 
-def run_contender(NetEm, rate, ranks, contender, a, tmp, model="mlp", batch=64):
-    tag = f"{model}-b{batch}-{contender}-{ranks}-{rate}"
+def run_contender(NetEm, rate, ranks, contender, a, tmp, model="mlp", batch=64, straggler=1.0):
+    tag = f"{model}-b{batch}-{contender}-{ranks}-{rate}-x{straggler:g}"
     out = os.path.join(tmp, f"{tag}.json")
     log_prefix = os.path.join(tmp, f"log-{tag}")
     backend = engine(contender, a.osp_backend)
     argv = [sys.executable, os.path.abspath(__file__), "--worker", "--contender", contender, "--out", out,
             "--model", model, "--width", str(a.width), "--batch", str(batch), "--steps", str(a.steps),
             "--warmup", str(a.warmup), "--block-size", str(a.block_size), "--osp-backend", a.osp_backend,
-            "--jitter", str(a.jitter), "--timing", a.timing]
+            "--jitter", str(a.jitter), "--timing", a.timing, "--straggler", str(straggler),
+            "--max-extra", str(a.max_extra)]
     switch = None
     if a.switch:
         argv += ["--switch", a.switch]
@@ -223,7 +268,7 @@ def run_contender(NetEm, rate, ranks, contender, a, tmp, model="mlp", batch=64):
         except OSError as e:
             logs = f"(no log: {e})"
         return {"model": model, "batch": batch, "contender": contender, "ranks": ranks, "rate": rate,
-                "error": f"exit codes {codes}: {logs}"}
+                "straggler": straggler, "error": f"exit codes {codes}: {logs}"}
     with open(out) as fh:
         r = json.load(fh)
     r["rate"] = rate
@@ -244,7 +289,7 @@ def run_digits(NetEm, rate, ranks, sync, critical, a, tmp):
 
 
 def group_key(r):
-    return (r.get("model", "mlp"), r.get("batch"), r.get("rate"), r.get("ranks"))
+    return (r.get("model", "mlp"), r.get("batch"), r.get("rate"), r.get("ranks"), r.get("straggler", 1.0))
 
 
 def add_bounds(rows):
@@ -271,6 +316,50 @@ def add_bounds(rows):
         if "overlap" in peers:  # the bound as this machine can reach it: compute and collective at once
             r["overlap_s"] = peers["overlap"]["step_s"]
             r["share_of_overlap"] = r["overlap_s"] / r["step_s"]
+        if "compute" in peers and "allreduce" in peers:
+            r["ceiling_sps"] = ceiling(r, peers["compute"]["step_s"], peers["allreduce"]["step_s"])
+            r["share_of_ceiling"] = r["samples_per_s"] / r["ceiling_sps"]
+
+
+def ceiling(r, compute_s: float, allreduce_s: float) -> float:
+    """The composed ceiling in samples/s with the last rank ``k = straggler`` times slower: stragglers
+    hidden by extras (in the straggler's micro-batch each other rank computes k of its own, at most
+    1 + max_extra) and the network by compute (a step takes at least the allreduce alone). ``compute_s``:
+    the compute row's step (rank 0's: a fast rank), ``allreduce_s``: the allreduce row's."""
+    k, n = r.get("straggler", 1.0), r["ranks"]
+    per_step = (n - 1) * min(k, 1 + r.get("max_extra", 4)) + 1
+    return per_step * r["batch"] / max(k * compute_s, allreduce_s)
+
+
+def straggler_table(rows) -> str:
+    """Samples/s with a straggler against the composed ceiling (``ceiling``) and against the better of HSP
+    alone and OSP(auto) alone, per configuration."""
+    lines = ["| model | bandwidth | ranks | straggler | contender | samples/s | micro-batches/step | x DDP | "
+             "share of ceiling | x best of HSP, OSP(auto) | ceiling samples/s | slow rank named |",
+             "|" + "---|" * 12]
+    f2 = lambda r, k: f"{r[k]:.2f}" if k in r else "-"  # noqa: E731
+    for r in rows:
+        if r["contender"] in ("compute", "allreduce"):
+            continue
+        head = [r.get("model", "mlp"), r["rate"], str(r["ranks"]), f"{r.get('straggler', 1.0):g}x", r["contender"]]
+        if "error" in r:
+            lines.append("| " + " | ".join(head) + " | failed |" + " |" * 6)
+            continue
+        peers = {x["contender"]: x for x in rows if group_key(x) == group_key(r) and "error" not in x}
+        best = max((peers[c]["samples_per_s"] for c in ("hsp-bsp", "osp-auto") if c in peers), default=None)
+        a = r.get("arrivals") or {}
+        named = "-" if not a else (f"rank {a['slow_rank']} ({a['slower']:.1f}x)" if a.get("slow_rank") is not None
+                                   else "none")
+        if r.get("slow_rank_warnings"):
+            named += ", warned"
+        lines.append("| " + " | ".join(head + [
+            f"{r['samples_per_s']:.1f}", f"{r.get('micro_batches_per_step', r['ranks']):.2f}", f2(r, "x_ddp"),
+            f2(r, "share_of_ceiling"), f"{r['samples_per_s'] / best:.2f}" if best else "-",
+            f"{r['ceiling_sps']:.1f}" if "ceiling_sps" in r else "-", named]) + " |")
+    lines.append("\nceiling: ((ranks - 1) * min(k, 1 + max_extra) + 1) micro-batches per step over max(k * compute "
+                 "step, allreduce step), both measured in the same run (k: the straggler's slowdown); slow rank "
+                 "named: stats()['arrivals'] on rank 0, 'warned' where its warning fired")
+    return "\n".join(lines)
 
 
 def table(rows):
@@ -480,12 +569,18 @@ def main(argv=None):
                     "median step, or the whole run (flush included) over the steps (--variation uses total)")
     ap.add_argument("--variation", action="store_true", help="DSync against OSP, BSP, DDP and Horovod on a "
                     "steady link and on a fluctuating one with varying compute (2 ranks, the first of --models)")
+    ap.add_argument("--stragglers", default="1", help="comma list of slowdowns of the last rank (1: none), each "
+                    "run with every contender; 'stragglers' in --contenders for HSP composed with OSP and DSync")
+    ap.add_argument("--straggler", type=float, default=1.0, help=argparse.SUPPRESS)
+    ap.add_argument("--max-extra", type=int, default=4, help="HSP: extra micro-batches a rank may compute a step")
     ap.add_argument("--json", default=os.path.join(ROOT, "bench", "out", "throughput.json"))
     a = ap.parse_args(argv)
     if a.worker:
         return worker(a)
     if a.contenders == "compression":
         a.contenders = ",".join(COMPRESSION_CONTENDERS)
+    if a.contenders == "stragglers":  # samples per step vary under HSP: every contender timed by its whole run
+        a.contenders, a.timing = ",".join(STRAGGLER_CONTENDERS), "total"
     models = a.models.split(",")
     for m in models:
         if m not in MODELS:
@@ -510,19 +605,21 @@ def main(argv=None):
     rows, digits, rate = [], [], None
     # with --repeats, the contenders of a configuration take turns (round-robin), so a slow spell of the
     # machine hits them alike; each keeps its median run
-    runs = [(m, b, r, int(n), c, k) for m in models for b in batches_for(m, a) for r in a.bandwidths.split(",")
-            for n in a.ranks.split(",") for k in range(a.repeats) for c in a.contenders.split(",")]
+    stragglers = [float(x) for x in a.stragglers.split(",")]
+    runs = [(m, b, r, int(n), x, c, k) for m in models for b in batches_for(m, a) for r in a.bandwidths.split(",")
+            for n in a.ranks.split(",") for x in stragglers for k in range(a.repeats) for c in a.contenders.split(",")]
     t_start = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         tries = {}
-        for i, (model, batch, rate, ranks, c, k) in enumerate(runs):
-            r = run_contender(NetEm, rate, ranks, c, a, tmp, model, batch)
-            tries.setdefault((model, batch, rate, ranks, c), []).append(r)
+        for i, (model, batch, rate, ranks, x, c, k) in enumerate(runs):
+            r = run_contender(NetEm, rate, ranks, c, a, tmp, model, batch, x)
+            tries.setdefault((model, batch, rate, ranks, x, c), []).append(r)
             msg = r.get("error", "")[:300] or f"{r['samples_per_s']:8.1f} samples/s  step {1e3 * r['step_s']:.0f} ms"
             if a.repeats > 1:
                 msg += f"  (run {k + 1} of {a.repeats})"
+            slow = f" {x:g}x slower" if x != 1.0 else ""
             print(f"[{i + 1}/{len(runs)} {time.monotonic() - t_start:5.0f}s] {model:8s} b{batch:<4d} {rate:>7s} "
-                  f"{ranks} ranks {c:9s} {msg}", flush=True)
+                  f"{ranks} ranks{slow} {c:9s} {msg}", flush=True)
         rows = [median_run(rs) for rs in tries.values()]
         add_bounds(rows)
         # accuracy at the bottleneck: the bandwidth where BSP's communication is closest to compute (for
@@ -550,6 +647,9 @@ def main(argv=None):
     plots(rows, digits, a.json[:-5], a.warmup)
     print()
     print(table(rows))
+    if any(x != 1.0 for x in stragglers) or any(c.startswith("hsp") for c in a.contenders.split(",")):
+        print()
+        print(straggler_table(rows))
     if digits and all("error" not in d for d in digits):
         b, o = digits[0]["final_test_acc"], digits[1]["final_test_acc"]
         print(f"\ndigits at {rate}, 2 ranks: BSP {100 * b:.2f}%, OSP auto {100 * o:.2f}% "

@@ -23,6 +23,7 @@ HSP is its ``sync`` alone.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Optional
 
@@ -228,9 +229,7 @@ class HSPMode(Mode):
         factors are 1 and the step is the composed mode's own, bitwise."""
         ctx, total = self.ctx, sum(counts)
         factor = self.size * inp.passes / total if total else 1.0
-        inner_inp = StepInput(compute_s=inp.compute_s, unscale=inp.unscale, backward_scale=inp.backward_scale,
-                              max_norm=inp.max_norm, passes=inp.passes, grads_changed=inp.grads_changed,
-                              edited=inp.edited, amp=inp.amp)
+        inner_inp = dataclasses.replace(inp, closure=None)  # the extras ran: the composed mode takes no closure
         # OSP("auto") settled on BSP: the composed mode's average is BSP's, which a GradScaler unscales
         # itself where .grad is the average; here it is not, so the scale goes here, with the factor
         unscale = inp.unscale if self.inner.grad_is_average else None

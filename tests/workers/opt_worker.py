@@ -1,6 +1,7 @@
 """Rank program for the optimizer tests: real ranks, real collectives, results as JSON per rank.
 
-Usage: opt_worker.py SCENARIO[:CASE] BACKEND OUTDIR  (e.g. invariants:adam, configs:auto, dsync:2)
+Usage: opt_worker.py SCENARIO[:CASE[,CASE...]] BACKEND OUTDIR  (e.g. invariants:adam, configs:auto, dsync:1,2,3;
+invariants and configs without a case run all of theirs)
 Scenarios: invariants, configs, badinput, mismatch, peer_dies, peer_stalls, horovod_match,
 dsync:DELAY, dsync_badinput.
 """
@@ -298,20 +299,20 @@ def dsync(delay):
             sched.step()
         opt.flush()
         # exact updates land at steps delay..STEPS-1, the rest in flush()
-        check(f"I1/{oname}", len(digests) == STEPS - delay + 1 and all(len(set(d)) == 1 for d in digests),
+        check(f"I1/{oname}/delay{delay}", len(digests) == STEPS - delay + 1 and all(len(set(d)) == 1 for d in digests),
               f"{len(digests)} sync points, {sum(len(set(d)) > 1 for d in digests)} differ")
         st = opt.stats()
-        check(f"stats/{oname}", st["delay"] == delay and st["steps"] == STEPS and (
+        check(f"stats/{oname}/delay{delay}", st["delay"] == delay and st["steps"] == STEPS and (
             delay == 1 or sum(h["replayed"] for h in st["history"]) == (STEPS - delay) * (delay - 1)),
             st["history"])
-        check_replay(f"I3/{oname}", model, make_opt, grads)
+        check_replay(f"I3/{oname}/delay{delay}", model, make_opt, grads)
 
         def fresh(seed=0, make_opt=make_opt):
             m = make_model(seed)
             return m, osp.DistributedOptimizer(make_opt(m.parameters()), m.named_parameters(),
                                                sync=osp.DSync(delay=delay), backend=backend)
 
-        check_resume(f"I4/{oname}", fresh, train_step)
+        check_resume(f"I4/{oname}/delay{delay}", fresh, train_step)
 
         if delay == 1:  # the same algorithm as OSP deferring every block
             m1, m2 = make_model(), make_model()
@@ -517,11 +518,13 @@ def horovod_match():
 SCENARIOS = {"invariants": invariants, "configs": configs, "badinput": badinput, "mismatch": mismatch,
              "peer_dies": lambda: peer_fails(stall=False), "peer_stalls": lambda: peer_fails(stall=True),
              "horovod_match": horovod_match, "dsync": dsync, "dsync_badinput": dsync_badinput}
-try:
-    name, _, arg = scenario.partition(":")  # e.g. dsync:2
-    SCENARIOS[name](*([arg] if arg else []))
-except Exception:
-    results["errors"]["uncaught"] = traceback.format_exc()
+name, _, args = scenario.partition(":")  # e.g. dsync:2, or dsync:1,2,3 (each in turn, in one launch)
+for arg in args.split(",") if args else [None]:
+    try:
+        SCENARIOS[name](*([arg] if arg else []))
+    except Exception:  # the ranks may be out of step now: no further case
+        results["errors"][f"uncaught/{name}:{arg}"] = traceback.format_exc()
+        break
 ranks.save(outdir)
 sys.stdout.flush()
 if scenario.startswith("peer_"):

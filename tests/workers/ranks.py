@@ -30,6 +30,10 @@ def start(backend: str, timeout_s: int = 60):
 
 
 def check(name, ok, detail=""):
+    """Record check ``name``; one that ran before under the same name stays failed if it failed."""
+    was = results["checks"].get(name)
+    if was is not None and not was["ok"]:
+        return
     results["checks"][name] = {"ok": bool(ok), "detail": str(detail)[:2000]}
 
 

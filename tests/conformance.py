@@ -59,8 +59,14 @@ class Mode:
     #: called once after wrapping (e.g. to put ``auto`` into one of its phases)
     prepare: Optional[Callable[[osp.DistributedOptimizer], None]] = None
     closure: bool = False  # step(closure) (HSP)
-    #: how many steps late a GradScaler hears of an overflow: DSync(delay=d) finds it when the average lands
-    late: int = 0
+
+    @property
+    def late(self) -> int:
+        """How many steps late a GradScaler hears of an overflow: DSync(delay=d), alone or inside HSP, finds
+        it when the average lands (``delay="auto"`` refuses a GradScaler: 0)."""
+        options = self.make()
+        delay = getattr(getattr(options, "sync", options), "delay", 0)
+        return delay if isinstance(delay, int) else 0
 
     @property
     def family(self) -> str:
@@ -88,9 +94,9 @@ MODES: Dict[str, Mode] = {m.name: m for m in [
          prepare=_phase("model", 0.4)),
     Mode("osp-auto-deferring", lambda: osp.OSP("auto", block_size=BLOCK, bucket_mb=BUCKET_MB),
          prepare=_phase("settled", 0.3)),
-    Mode("dsync-1", lambda: osp.DSync(delay=1, bucket_mb=BUCKET_MB), late=1),
-    Mode("dsync-2", lambda: osp.DSync(delay=2, bucket_mb=BUCKET_MB), late=2),
-    Mode("dsync-3", lambda: osp.DSync(delay=3, bucket_mb=BUCKET_MB), late=3),
+    Mode("dsync-1", lambda: osp.DSync(delay=1, bucket_mb=BUCKET_MB)),
+    Mode("dsync-2", lambda: osp.DSync(delay=2, bucket_mb=BUCKET_MB)),
+    Mode("dsync-3", lambda: osp.DSync(delay=3, bucket_mb=BUCKET_MB)),
     Mode("dsync-auto", lambda: osp.DSync(delay="auto", max_delay=3, bucket_mb=BUCKET_MB)),
     Mode("hsp", lambda: osp.HSP(max_extra=2)),
     Mode("hsp-closure", lambda: osp.HSP(max_extra=2), closure=True),
@@ -100,7 +106,7 @@ MODES: Dict[str, Mode] = {m.name: m for m in [
     Mode("hsp-osp-auto-closure", lambda: osp.HSP(max_extra=2, sync=osp.OSP("auto", block_size=BLOCK,
                                                                           bucket_mb=BUCKET_MB)), closure=True,
          prepare=_phase("settled", 1.0)),
-    Mode("hsp-dsync", lambda: osp.HSP(max_extra=2, sync=osp.DSync(delay=2, bucket_mb=BUCKET_MB)), late=2),
+    Mode("hsp-dsync", lambda: osp.HSP(max_extra=2, sync=osp.DSync(delay=2, bucket_mb=BUCKET_MB))),
 ]}
 
 # -- optimizers: every per-parameter optimizer of torch.optim, and one that reads the whole group ----

@@ -258,6 +258,14 @@ class Env:
             self.compress()
             self.clip_torch(m)
 
+    def clip_value(self, v: float) -> None:
+        """Clip every element of the averaged gradient into [-v, v]: osp's own, torch's on the plain optimizer."""
+        if self.wrapped:
+            self.opt.clip_grad_value_(v)
+        else:
+            self.compress()
+            torch.nn.utils.clip_grad_value_(self.model.parameters(), v)
+
     def compress(self) -> None:
         """The plain optimizer's gradients as one rank's compressed average gives them (once per step)."""
         wire = osp.compression.wire_dtype(osp.compression.resolve(self.case.compression), self.dtype)
@@ -383,6 +391,14 @@ def _clip_opt(max_norm: float, every: int = 1):
             env.clip(max_norm)
         env.step(t)
     return pattern
+
+
+def _clip_value_opt(env, t):
+    """``opt.clip_grad_value_`` at a value that clamps part of the gradient's elements, not all."""
+    env.zero_grad()
+    env.backward(t)
+    env.clip_value(0.02)
+    env.step(t)
 
 
 def _grad_inplace(env, t):
@@ -554,6 +570,7 @@ PATTERNS: Dict[str, Pattern] = {p.name: p for p in [
     Pattern("clip-opt", _clip_opt(0.05)),
     Pattern("clip-opt-loose", _clip_opt(50.0)),
     Pattern("clip-opt-sometimes", _clip_opt(0.05, every=2)),
+    Pattern("clip-value-opt", _clip_value_opt),
     Pattern("param-groups-clip-opt", _clip_opt(0.05), groups=_two_groups),
     Pattern("grad-inplace", _grad_inplace),
     Pattern("grad-replaced", _grad_replaced),

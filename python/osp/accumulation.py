@@ -43,7 +43,7 @@ class Accumulation:
         (``keywords.Reduction``: op=Sum, gradient_predivide_factor), asked for at each pass."""
         self.groups, self.passes_per_step, self.mode = groups, passes_per_step, mode
         self.fresh = False  # a backward reached the parameters since the last step
-        self.max_norm: Optional[float] = None  # opt.clip_grad_norm_ asked for the coming step
+        self.clip = None  # the Clip opt.clip_grad_norm_ / clip_grad_value_ asked for the coming step
         self._where = {p: (fg, i) for fg in groups for i, p in enumerate(fg.params)}
         # per parameter: how many passes reached it, and the version of its gradient after the last one
         self._passes: Dict[torch.nn.Parameter, int] = {}
@@ -251,7 +251,7 @@ class Accumulation:
         self._backwards = 0
         self._versions = None
         self._averaged = False
-        self.max_norm = None
+        self.clip = None
         for fg in self.groups:
             fg.absent.clear()
 

@@ -29,7 +29,7 @@ from .accumulation import Accumulation
 from .arrivals import Arrivals
 from .comm import Comm, get_comm
 from .correction import unhooked_step
-from .modes.base import Context, Mode, StepInput
+from .modes.base import Clip, Context, Mode, StepInput
 from .modes.osp import OSP
 from .steplog import StepLog
 
@@ -228,7 +228,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         t0 = time.perf_counter()
         inp = StepInput(compute_s=(t0 - self._t_end) if self._t_end is not None else 0.0,
-                        max_norm=self._acc.max_norm, passes=self.backward_passes_per_step, closure=closure)
+                        clip=self._acc.clip, passes=self.backward_passes_per_step, closure=closure)
         average = self.mode.grad_is_average
         scaler = amp.prepare(self, average, inp)
         if not average:
@@ -332,8 +332,31 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if float(norm_type) != 2.0:
             raise ValueError(f"osp: clip_grad_norm_ under {self.sync.name.upper()} clips by the 2-norm of the "
                              f"averaged gradient; norm_type={norm_type!r} is not supported (use 2.0 or osp.BSP())")
-        self._acc.max_norm = float(max_norm)
+        self._request_clip(Clip("norm", float(max_norm)))
         return None
+
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """Clip every element of the *averaged* gradient into ``[-clip_value, clip_value]``, as
+        ``torch.nn.utils.clip_grad_value_`` on every rank's averaged ``.grad`` does under DDP. Call between
+        backward and ``step()``. BSP: that function on the averages. OSP, DSync, HSP: the step applies it
+        exactly to the average (its deferred part when it lands), the provisional moves to this rank's own."""
+        if isinstance(clip_value, bool) or not isinstance(clip_value, (int, float)) or not clip_value > 0:
+            raise ValueError(f"osp: clip_grad_value_(clip_value) must be a positive number, got {clip_value!r}")
+        self._acc.check_fresh()
+        if self.mode.grad_is_average:
+            self.mode.synchronize()
+            params = [self.groups[g].params[i] for g, i in self._order]
+            torch.nn.utils.clip_grad_value_([p for p in params if p.grad is not None], clip_value)
+            return None
+        self._request_clip(Clip("value", float(clip_value)))
+        return None
+
+    def _request_clip(self, clip: Clip) -> None:
+        if self._acc.clip is not None and self._acc.clip.kind != clip.kind:
+            raise ValueError(f"osp: clip_grad_norm_ and clip_grad_value_ in one step under {self.sync.name.upper()} "
+                             f"(asked for {self._acc.clip} and then {clip}): osp applies one clipping of the "
+                             "averaged gradient per step; use one of them, or osp.BSP()")
+        self._acc.clip = clip
 
     @torch.no_grad()
     def join(self) -> None:

@@ -37,6 +37,15 @@ from ..layout import FlatGroup
 _CHECK_BLOCK = 1 << 16  # elements per block of the non-finite scan (spreads it over threads and CUDA blocks)
 
 
+@dataclass(frozen=True)
+class Clip:
+    """A clipping request for the coming step (``opt.clip_grad_norm_`` / ``opt.clip_grad_value_``): the
+    averaged gradient clipped by its 2-norm (``kind="norm"``, ``value`` = max_norm) or every element into
+    ``[-value, value]`` (``kind="value"``), as torch.nn.utils' functions clip DDP's averaged ``.grad``."""
+    kind: str  # "norm" or "value"
+    value: float
+
+
 @dataclass
 class StepInput:
     """What one ``step()`` is asked to do besides the update."""
@@ -45,7 +54,7 @@ class StepInput:
     unscale: Optional[torch.Tensor] = None
     #: GradScaler: the loss scale the backward ran under (a float64 device scalar)
     backward_scale: Optional[torch.Tensor] = None
-    max_norm: Optional[float] = None  # clip by the 2-norm of the averaged gradient (clip_grad_norm_)
+    clip: Optional[Clip] = None  # clip the averaged gradient (clip_grad_norm_ / clip_grad_value_)
     passes: int = 1  # backward passes of the step before step() (backward_passes_per_step)
     #: the gradients were changed in place after backward in a way their version counters do not show
     #: (a GradScaler's ``unscale_``, whose kernel leaves them alone)
@@ -111,14 +120,20 @@ class Context:
             for g in grads:
                 g.mul_(factor)
 
-    def clip_(self, max_norm: float, grads: Optional[List[torch.Tensor]] = None,
+    def clip_(self, clip: "Clip", grads: Optional[List[torch.Tensor]] = None,
               absent: Optional[List[set]] = None) -> None:
-        """Clip the flat gradients ``grads`` (one per flat group; default: the groups' own) by their 2-norm
-        exactly as ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` clips the parameters'
-        gradients: per parameter a norm in the gradient's dtype, in the model's order, the norm of those, the
-        factor ``max_norm / (norm + 1e-6)`` at most 1 (bitwise its arithmetic; the padding and the parameters
-        in ``absent``, without a gradient, are not counted)."""
+        """Clip the flat gradients ``grads`` (one per flat group; default: the groups' own) as ``clip`` says.
+        By value: every element into ``[-value, value]`` (``torch.nn.utils.clip_grad_value_``; padding and
+        absent parameters hold zeros). By norm: exactly as ``torch.nn.utils.clip_grad_norm_(model.parameters(),
+        ...)`` clips the parameters' gradients: per parameter a norm in the gradient's dtype, in the model's
+        order, the norm of those, the factor ``max_norm / (norm + 1e-6)`` at most 1 (bitwise its arithmetic;
+        the padding and the parameters in ``absent``, without a gradient, are not counted)."""
         grads = [fg.grad for fg in self.groups] if grads is None else grads
+        if clip.kind == "value":
+            for g in grads:
+                g.clamp_(min=-clip.value, max=clip.value)
+            return
+        max_norm = clip.value
         absent = [set()] * len(grads) if absent is None else absent
         order = self.order or [(k, i) for k, fg in enumerate(self.groups) for i in range(len(fg.params))]
         views = [self.groups[k].view(grads[k], i) for k, i in order if i not in absent[k]]

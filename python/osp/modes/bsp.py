@@ -84,8 +84,8 @@ class BSPMode(Mode):
         if self.ctx.any_nonfinite():
             rec["skipped"] = True
             return rec
-        if inp.max_norm is not None:  # osp.HSP(sync=...) hands it here; the optimizer clips the average itself
-            self.ctx.clip_(inp.max_norm, absent=self._absent)
+        if inp.clip is not None:  # osp.HSP(sync=...) hands it here; the optimizer clips the average itself
+            self.ctx.clip_(inp.clip, absent=self._absent)
         opt = self.ctx.optimizer
         if inp.amp is not None:  # a fused optimizer unscales (and checks) the average itself
             opt.grad_scale, opt.found_inf = inp.amp

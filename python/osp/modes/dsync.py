@@ -23,7 +23,7 @@ from ..comm import Handle
 from ..correction import Snapshot, corrector_for, hyper, unhooked_step
 from ..layout import EditProbe, Workspace
 from ..timing import span, traced
-from .base import Context, Mode, Options, StepInput, check_int, check_positive, edited_error
+from .base import Clip, Context, Mode, Options, StepInput, check_int, check_positive, edited_error
 
 
 class DSync(Options):
@@ -79,7 +79,7 @@ class _Step:
     absent: List[set]  # per flat group, its parameters without a gradient here (the provisional update skips them)
     unscale: Optional[torch.Tensor] = None  # GradScaler: the average is of gradients scaled by 1 / this
     scaled: int = 0  # ... in its first ``scaled`` buckets (the later ones were unscaled when they started)
-    max_norm: Optional[float] = None  # clip the average by its 2-norm
+    clip: Optional[Clip] = None  # clip the average (by its 2-norm or by value)
     arrived: Optional[int] = None  # steps after its own that its average was seen complete
 
 
@@ -145,11 +145,11 @@ class DSyncMode(Mode):
         handles = list(self.buckets.launch(force=True))
         slot = self.t % self.slots
         handles.append(self._agree[slot].post(grads_edited=bool(inp.edited), params_edited=self._probe.edited()))
-        # the provisional update uses this rank's own gradient, unscaled and clipped by its own norm
+        # the provisional update uses this rank's own gradient, unscaled and clipped (by its own norm)
         ctx.scale_grads(inp.unscale)
         ctx.scale_grads(inp.provisional)
-        if inp.max_norm is not None:
-            ctx.clip_(inp.max_norm, absent=[fg.absent for fg in ctx.groups])
+        if inp.clip is not None:
+            ctx.clip_(inp.clip, absent=[fg.absent for fg in ctx.groups])
         own_nonfinite = ctx.nonfinite()  # read with the first due average's record: one read per step
         self._observe()
         if self.options.delay == "auto":
@@ -194,7 +194,7 @@ class DSyncMode(Mode):
                                     hyper=[hyper(g) for g in ctx.optimizer.param_groups],
                                     unscale=None if inp.backward_scale is None else inp.backward_scale.reciprocal(),
                                     scaled=scaled,
-                                    max_norm=inp.max_norm))
+                                    clip=inp.clip))
         self.t += 1
         self._arm()
         return rec
@@ -243,8 +243,8 @@ class DSyncMode(Mode):
                 skipped += 1
                 continue
             absent = total.absent()
-            if s.max_norm is not None:
-                ctx.clip_(s.max_norm, avgs, absent)
+            if s.clip is not None:
+                ctx.clip_(s.clip, avgs, absent)
             for i, (snap, fg) in enumerate(zip(self._snap, ctx.groups)):
                 snap.hyper = s.hyper[fg.group_index]
                 snap.absent = absent[i]  # without a gradient on any rank: kept as before the step

@@ -216,8 +216,8 @@ class HSPMode(Mode):
         if agreed.extra[0] > 0:
             rec.update(skipped=True, overflow=True)
             return rec
-        if inp.max_norm is not None:
-            ctx.clip_(inp.max_norm, absent=absent)
+        if inp.clip is not None:
+            ctx.clip_(inp.clip, absent=absent)
         unhooked_step(ctx.optimizer)
         rec["overflow"] = False
         return rec

@@ -139,9 +139,9 @@ class OSPMode(Mode):
         self._none_pos = [ops.mask_positions(m) for m in self._none]
         self._probe = EditProbe(ctx.groups)
         self._pending: List[_Deferred] = []
-        # clipping by the norm of the averaged gradient, pending on stage 2: the step's update is redone for
-        # every block (of every group) once the deferred part of the norm is known; its max_norm
-        self._clip: Optional[float] = None
+        # clipping of the averaged gradient, pending on stage 2: the step's update is redone for every block
+        # (of every group) once the deferred part is known (by norm: the factor needs all of it)
+        self._clip = None  # the step's Clip
         self._steps = 0
         # the buckets, as block ranges of their flat group (the blocks that start in the bucket's
         # elements: a block reaching into the next bucket up is ready, as that bucket started earlier)
@@ -287,7 +287,7 @@ class OSPMode(Mode):
         # 3. stage 2: the deferred blocks, averaged behind the next forward and backward
         absent = side.absent()
         deferring = any(d.numel() for d in deferreds)
-        clip = inp.max_norm is not None
+        clip = inp.clip is not None
         # with clipping, or an optimizer that reads every parameter (the corrector's ``whole``), the
         # correction redoes the update of every group, not only of those with deferred blocks
         redo_all = deferring and (clip or self.corrector.whole)
@@ -324,12 +324,12 @@ class OSPMode(Mode):
             if scoring:
                 self.split.score(crit, fg, mask, self.split.group_lo[gi])
         if clip:  # the exact factor is applied when stage 2 lands
-            self._clip = inp.max_norm if deferring else None
+            self._clip = inp.clip if deferring else None
         self._snapshot(launch2, deferreds, h2, absent, clip, plan)
         # 4. LGP's local update with the provisional gradient (averaged on critical blocks, this rank's
         # own on deferred ones); parameters without a gradient on any rank are left alone
         if clip:  # provisionally by the norm of this gradient (the average's on one rank, bitwise torch's)
-            ctx.clip_(inp.max_norm, absent=absent)
+            ctx.clip_(inp.clip, absent=absent)
         for fg, a in zip(ctx.groups, absent):
             fg.set_grads(a)
         unhooked_step(ctx.optimizer)

@@ -18,8 +18,8 @@ __all__ = ["ops", "Compression", "BSP", "OSP", "DSync", "HSP", "DistributedOptim
 
 
 def __getattr__(name):
-    # osp.elastic imports Horovod: only when asked for
-    if name == "elastic":
+    # osp.elastic imports Horovod, osp.lightning imports Lightning: only when asked for
+    if name in ("elastic", "lightning"):
         import importlib
 
         return importlib.import_module(".elastic", __name__)

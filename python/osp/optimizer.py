@@ -151,8 +151,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._skip_synchronize = False
 
     def __del__(self):
-        if getattr(self, "_acc", None) is not None:
-            self._acc.remove_hooks()
+        # its own attribute only: a wrapper that takes this class as a base and forwards attribute reads to
+        # this object (Lightning's LightningOptimizer) must not remove this optimizer's hooks when it is dropped
+        acc = self.__dict__.get("_acc")
+        if acc is not None:
+            acc.remove_hooks()
 
     def __getattr__(self, name):
         # the wrapped optimizer's own instance attributes (set by its __init__, which never runs on the

@@ -49,5 +49,5 @@ setup(
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     python_requires=">=3.9",
     install_requires=["torch>=2.1", "numpy"],
-    extras_require={"horovod": ["horovod>=0.28"], "train": ["scikit-learn"]},
+    extras_require={"horovod": ["horovod>=0.28"], "train": ["scikit-learn"], "lightning": ["pytorch-lightning>=2.1"]},
 )

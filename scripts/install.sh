@@ -23,6 +23,12 @@ fi
   pipq pytest ruff numpy scikit-learn ninja psutil cloudpickle packaging pyyaml setuptools wheel matplotlib hypothesis
 }
 
+# the Lightning strategy's tests (osp[lightning]) and the Accelerate example's; pinned: the versions tested
+"$VPY" -c 'import pytorch_lightning, accelerate' 2>/dev/null || {
+  log "installing pytorch-lightning and accelerate"
+  pipq "pytorch-lightning==2.6.6" "accelerate==1.16.0"
+}
+
 if ! command -v mpirun >/dev/null || ! command -v mpicxx >/dev/null; then
   log "installing OpenMPI from Debian"
   export DEBIAN_FRONTEND=noninteractive

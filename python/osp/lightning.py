@@ -118,6 +118,10 @@ class OSPStrategy(DDPStrategy):
                              f"{trainer.accumulate_grad_batches}: HSP's extra micro-batches are counted per step, "
                              "which Lightning's accumulation does not tell it; use accumulate_grad_batches=1 with HSP "
                              "(its extras are the accumulation), or another mode")
+        if isinstance(self.sync, HSP) and not module.automatic_optimization:
+            raise ValueError("osp: OSPStrategy with osp.HSP needs automatic optimization: HSP's extra micro-batches "
+                             "run training_step, which under manual optimization steps the optimizers itself; use "
+                             "osp.BSP(), osp.OSP(...) or osp.DSync(...)")
         if isinstance(self.sync, HSP) and getattr(self.precision_plugin, "scaler", None) is not None:
             raise ValueError("osp: OSPStrategy with osp.HSP and precision='16-mixed': HSP's extras run from "
                              "opt.step(closure), and torch.amp.GradScaler.step() takes no closure; use "

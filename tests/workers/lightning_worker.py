@@ -45,13 +45,15 @@ class Digits(pl.LightningModule):
         self.net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, h), torch.nn.BatchNorm1d(h),
                                        torch.nn.ReLU(), torch.nn.Linear(h, h), torch.nn.ReLU(), torch.nn.Linear(h, 10))
         self.lr, self.opt_name, self.scheduler = lr, optimizer, scheduler
-        self.calls = 0
+        self.calls, self.slow = 0, False
 
     def forward(self, x):
         return self.net(x)
 
     def training_step(self, batch, batch_idx):
         self.calls += 1
+        if self.slow and self.global_rank == 1:
+            time.sleep(0.004)  # a straggler: under HSP rank 0 runs extras meanwhile
         x, y = batch
         loss = F.cross_entropy(self(x), y)
         self.log("train_loss", loss)
@@ -72,7 +74,8 @@ class Digits(pl.LightningModule):
             opt = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
         if not self.scheduler:
             return opt
-        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=15, gamma=0.5)}
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 10, gamma=0.5),
+                                                   "interval": "step"}}
 
 
 class GAN(pl.LightningModule):
@@ -175,17 +178,29 @@ def run(outdir: str, name: str) -> None:
               gradient_clip_algorithm="value" if "clipvalue" in f else "norm")
     if precision is not None:
         kw["precision"] = precision
-    val = "val" in f or "early" in f or "resume" in f
+    val = "val" in f or "early" in f  # not "resume": its checkpoints come at the end of an epoch with work in flight
     train, test = loaders(32, val)
     trainer = pl.Trainer(**kw)
     ckpt_path = None
     if "from" in f:  # resume from the checkpoint the same run without "+from" wrote after its 3rd epoch
         src = os.path.join(outdir, "ckpt-" + name.replace("+from", ""))
         ckpt_path = os.path.join(src, sorted(p for p in os.listdir(src) if p.startswith("epoch=2-"))[0])
+    model.slow = "slow" in f
     t0 = time.perf_counter()
-    trainer.fit(model, train, test, ckpt_path=ckpt_path)
+    if "refuse" in f:  # a combination OSPStrategy refuses: the same error on every rank, at setup
+        try:
+            trainer.fit(model, train, test)
+        except ValueError as e:
+            torch.save({"error": str(e)}, os.path.join(outdir, f"{name}.rank{trainer.global_rank}.pt"))
+            return
+        raise AssertionError(f"{name}: fit did not raise")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, train, test, ckpt_path=ckpt_path)
     fit_s = time.perf_counter() - t0
-    out = {"name": name, "fit_s": fit_s, "global_step": trainer.global_step, "calls": model.calls,
+    warned = sorted({str(w.message)[:200] for w in caught if str(w.message).startswith("osp")})
+    out = {"name": name, "fit_s": fit_s, "osp_warnings": warned, "global_step": trainer.global_step,
+           "calls": model.calls,
            "epochs": trainer.current_epoch, "rank": trainer.global_rank}
     if not gan:
         if "test" in f:
@@ -202,6 +217,9 @@ def run(outdir: str, name: str) -> None:
                    "extras": s.get("hsp", {}).get("extras")} for s in stats]
     out["in_flight"] = [o.in_flight for o in opts if isinstance(o, osp.DistributedOptimizer)]
     out["lr"] = [g["lr"] for o in opts for g in o.param_groups]
+    plugin = trainer.precision_plugin
+    out["precision"] = type(plugin).__name__
+    out["loss_scale"] = plugin.scaler.get_scale() if getattr(plugin, "scaler", None) is not None else None
     out["state"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
     torch.save(out, os.path.join(outdir, f"{name}.rank{trainer.global_rank}.pt"))
     if trainer.global_rank == 0:

@@ -8,7 +8,7 @@ CUDA_SRCS := $(wildcard csrc/cuda/*.cu)
 CUDA_CPP_SRCS := $(wildcard csrc/cuda/*.cpp)
 PYTEST_ARGS ?=
 
-.PHONY: install test test-only lint cuda-check gpu-check bench-kernels bench-accuracy bench-stragglers bench-stragglers-net bench-faults bench-tta bench-compression demo bench stress-exit mutation conformance-random clean
+.PHONY: install test test-only lint cuda-check gpu-check bench-kernels bench-accuracy bench-stragglers bench-stragglers-net bench-lightning bench-faults bench-tta bench-compression demo bench stress-exit mutation conformance-random clean
 
 install:
 	@bash scripts/install.sh
@@ -94,6 +94,11 @@ bench-stragglers-net: install
 	    --steps 10 --warmup 12 --repeats 1 --no-digits --json bench/out/throughput_stragglers_1gbit_r2_balanced.json
 	$(PY) bench/time_to_accuracy.py --contenders stragglers --straggler 2 --run-timeout 300 \
 	    --json bench/out/time_to_accuracy_stragglers.json
+
+# Lightning behind 1 Gbit/s (needs root): Trainer(strategy=OSPStrategy(OSP(auto))) against strategy="ddp", beside the
+# plain loops and the halves of the perfect-overlap bound, 2 ranks, MLP 8.4M, batch 512, 2 repeats (about 5 minutes).
+bench-lightning: install
+	$(PY) bench/lightning_throughput.py --rate 1gbit --repeats 2 --json bench/results/lightning_throughput_1gbit_r2.json
 
 # Faults survived: SIGKILLed ranks under Horovod Elastic (3 ranks, 2 kills) and under torchrun restarts
 # (1 kill), each against the same job without faults, 3 seeds (3-4 minutes).

@@ -159,8 +159,9 @@ class OSPStrategy(DDPStrategy):
         """Lightning's closure (forward, zero_grad, backward) once, then ``opt.step()``: osp's ``step`` takes a
         closure only for HSP's extra micro-batches, and its averages start from the backward's hooks."""
         opt = _unwrap(optimizer)
-        if not isinstance(opt, DistributedOptimizer):
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        if not isinstance(opt, DistributedOptimizer):  # nothing would average its gradients: no DDP wrapper here
+            raise RuntimeError(f"osp: OSPStrategy was asked to step {type(opt).__name__}, which it did not wrap in "
+                               "osp.DistributedOptimizer; return every optimizer from configure_optimizers")
         if kwargs:
             raise TypeError(f"osp: optimizer.step() under OSPStrategy takes no keyword arguments, got {sorted(kwargs)}")
         model = model or self.lightning_module

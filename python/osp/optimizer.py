@@ -19,7 +19,7 @@ import warnings
 import weakref
 from collections import OrderedDict
 from contextlib import contextmanager
-from typing import Callable, Optional
+from typing import Callable, List, Optional
 
 import torch
 
@@ -324,14 +324,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         is known only later, so the step records ``max_norm`` (2-norm only) and applies it exactly: the
         update equals BSP's with the averaged gradient clipped. Returns None there: the norm is not known
         before the step."""
-        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
-            raise ValueError(f"osp: clip_grad_norm_(max_norm) must be a positive number, got {max_norm!r}")
-        self._acc.check_fresh()
-        if self.mode.grad_is_average:
-            self.mode.synchronize()
-            params = [self.groups[g].params[i] for g, i in self._order]
-            return torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], max_norm, norm_type,
-                                                  error_if_nonfinite)
+        params = self._averaged_or_none("clip_grad_norm_(max_norm)", max_norm)
+        if params is not None:
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
         if float(norm_type) != 2.0:
             raise ValueError(f"osp: clip_grad_norm_ under {self.sync.name.upper()} clips by the 2-norm of the "
                              f"averaged gradient; norm_type={norm_type!r} is not supported (use 2.0 or osp.BSP())")
@@ -343,16 +338,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
         ``torch.nn.utils.clip_grad_value_`` on every rank's averaged ``.grad`` does under DDP. Call between
         backward and ``step()``. BSP: that function on the averages. OSP, DSync, HSP: the step applies it
         exactly to the average (its deferred part when it lands), the provisional moves to this rank's own."""
-        if isinstance(clip_value, bool) or not isinstance(clip_value, (int, float)) or not clip_value > 0:
-            raise ValueError(f"osp: clip_grad_value_(clip_value) must be a positive number, got {clip_value!r}")
-        self._acc.check_fresh()
-        if self.mode.grad_is_average:
-            self.mode.synchronize()
-            params = [self.groups[g].params[i] for g, i in self._order]
-            torch.nn.utils.clip_grad_value_([p for p in params if p.grad is not None], clip_value)
+        params = self._averaged_or_none("clip_grad_value_(clip_value)", clip_value)
+        if params is not None:
+            torch.nn.utils.clip_grad_value_(params, clip_value)
             return None
         self._request_clip(Clip("value", float(clip_value)))
         return None
+
+    def _averaged_or_none(self, what: str, limit) -> Optional[List[torch.Tensor]]:
+        """What a clip call starts with: ``limit`` checked (a positive number), a backward since the last step;
+        then, where ``.grad`` holds the average (BSP), the parameters with a gradient once it landed, else None
+        (the step applies the clip exactly)."""
+        if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0:
+            raise ValueError(f"osp: {what} must be a positive number, got {limit!r}")
+        self._acc.check_fresh()
+        if not self.mode.grad_is_average:
+            return None
+        self.mode.synchronize()
+        params = [self.groups[g].params[i] for g, i in self._order]
+        return [p for p in params if p.grad is not None]
 
     def _request_clip(self, clip: Clip) -> None:
         if self._acc.clip is not None and self._acc.clip.kind != clip.kind:

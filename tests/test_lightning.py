@@ -137,6 +137,9 @@ def test_refused_combinations_raise_on_every_rank(runs):
 def test_importing_osp_does_not_import_lightning():
     code = "import sys, osp; assert 'pytorch_lightning' not in sys.modules and 'lightning' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+    # and the attribute loads the module it names on first use (it once loaded osp.elastic for both)
+    code = "import osp; assert osp.lightning.__name__ == 'osp.lightning', osp.lightning.__name__"
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_bad_sync_is_refused():

@@ -22,5 +22,5 @@ def __getattr__(name):
     if name in ("elastic", "lightning"):
         import importlib
 
-        return importlib.import_module(".elastic", __name__)
+        return importlib.import_module("." + name, __name__)
     raise AttributeError(f"module 'osp' has no attribute {name!r}")

@@ -18,8 +18,9 @@ __all__ = ["ops", "Compression", "BSP", "OSP", "DSync", "HSP", "DistributedOptim
 
 
 def __getattr__(name):
-    # osp.elastic imports Horovod, osp.lightning imports Lightning: only when asked for
-    if name in ("elastic", "lightning"):
+    # osp.elastic imports Horovod, osp.lightning imports Lightning: only when asked for; osp.plan and
+    # osp.profile (a callable module: osp.profile(model, loss_fn, batch)) are tools, loaded on first use
+    if name in ("elastic", "lightning", "plan", "profile"):
         import importlib
 
         return importlib.import_module("." + name, __name__)

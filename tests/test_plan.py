@@ -1,0 +1,155 @@
+"""osp.plan gives its stated model's closed-form answers (python/osp/plan.py's docstring, worked by hand here
+on a synthetic profile), and osp.profile measures a real model into the profile osp.plan reads."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from osp.plan import Cluster, parse_bandwidth, plan
+from osp.profile import profile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def synthetic():
+    """Two buckets: 25 MB ready 20 ms into backward, 5 MB ready last at 100 ms; F 50 ms, B 100 ms."""
+    mode = lambda s: {"forward_s": 0.05, "backward_s": 0.1, "step_s": s}  # noqa: E731
+    return {"batch": 10, "buckets": [{"bytes": 25e6, "ready_s": 0.02}, {"bytes": 5e6, "ready_s": 0.1}],
+            "modes": {"plain": mode(0.01), "bsp": mode(0.01), "osp": mode(0.02), "dsync": mode(0.03),
+                      "hsp": mode(0.01)}}
+
+
+def by_mode(rows):
+    return {r["mode"]: r for r in rows}
+
+
+@pytest.mark.parametrize("text,bits", [("1gbit", 1e9), ("400mbit", 4e8), ("100gbit", 1e11), ("10kbit", 1e4),
+                                       ("125mbps", 1e9), ("2.5gbit", 2.5e9), ("1000", 1e3)])
+def test_bandwidth_as_tc_writes_it(text, bits):
+    assert parse_bandwidth(text) == pytest.approx(bits)
+
+
+@pytest.mark.parametrize("text", ["1g", "fast", "0gbit", "-1gbit", ""])
+def test_bad_bandwidth_is_refused(text):
+    with pytest.raises(ValueError, match="bandwidth"):
+        parse_bandwidth(text)
+
+
+def test_allreduce_is_the_ring_and_the_hierarchy():
+    b = 1e6
+    assert Cluster(4, 1e9, 5e-6).allreduce_s(b) == pytest.approx(2 * 3 / 4 * 8 * b / 1e9 + 6 * 5e-6)
+    assert Cluster(1, 1e9, 5e-6).allreduce_s(b) == 0.0
+    # 8 ranks on 2 nodes of 4: a ring of 4 inside (400 Gbit/s), a ring of 2 across (100 Gbit/s), 1 us a hop
+    got = Cluster(8, 1e11, 1e-6, nodes=2, intra=4e11).allreduce_s(b)
+    assert got == pytest.approx(2 * 3 / 4 * 8 * b / 4e11 + 6e-6 + 2 * 1 / 2 * 8 * b / 1e11 + 2e-6)
+    with pytest.raises(ValueError, match="nodes must divide ranks"):
+        Cluster(8, 1e9, nodes=3, intra=1e10)
+
+
+def test_link_bound_closed_form():
+    """2 ranks at 1 Gbit/s: T(b) = 8b / 1e9 (25 MB: 0.2 s, 5 MB: 0.04 s, all 30 MB: 0.24 s)."""
+    rows = by_mode(plan(synthetic(), Cluster(2, 1e9), shares=(0.25,), delays=(2,)))
+    assert [r["mode"] for r in plan(synthetic(), Cluster(2, 1e9))] == [
+        "bsp", "osp-auto", "osp-0.1", "osp-0.25", "osp-0.5", "dsync-1", "dsync-2", "dsync-4", "hsp"]
+    # BSP: bucket 1 from 0.05 + 0.02 for 0.2 s, bucket 2 after it for 0.04 s, then the step
+    assert rows["bsp"]["step_s"] == pytest.approx(0.27 + 0.04 + 0.01)
+    # OSP(0.25): the last bucket's quota (1.25 MB) moves to bucket 1 (7.5 MB critical, 0.06 s); the previous
+    # stage 2 (22.5 MB, 0.18 s, issued 0.02 s before the step) holds the link until 0.16
+    assert rows["osp-0.25"]["step_s"] == pytest.approx(0.16 + 0.06 + 0.02)
+    # DSync: the link, 0.24 s a step, against compute 0.18
+    assert rows["dsync-2"]["step_s"] == pytest.approx(0.24)
+    # HSP: compute, then the whole gradient at step()
+    assert rows["hsp"]["step_s"] == pytest.approx(0.15 + 0.24 + 0.01)
+    # auto: model share 0.8 * 0.1 / 0.24 = 1/3 gives 0.24 s (its floor 0.05 of the last bucket, 0.25 MB, ends
+    # at 0.22), the quarter 1/12 ties it, so the larger share stays
+    assert rows["osp-auto"]["critical"] == pytest.approx(1 / 3)
+    assert rows["osp-auto"]["step_s"] == pytest.approx(0.24)
+    # the bound: max(0.15 + 0.01, 0.24); 2 ranks x 10 samples a step
+    for r in rows.values():
+        assert r["bound_share"] == pytest.approx(0.24 / r["step_s"])
+        assert r["samples_per_s"] == pytest.approx(20 / r["step_s"])
+        assert r["steps_per_s"] == pytest.approx(1 / r["step_s"])
+
+
+def test_compute_bound_closed_form():
+    """100 Gbit/s: the allreduce (2.4 ms) hides in backward; auto stays fully critical."""
+    rows = by_mode(plan(synthetic(), Cluster(2, 1e11), shares=(0.25,), delays=(1,)))
+    assert rows["bsp"]["step_s"] == pytest.approx(0.15 + 0.0004 + 0.01)
+    assert rows["osp-auto"]["critical"] == 1.0 and rows["osp-auto"]["step_s"] == rows["bsp"]["step_s"]
+    assert rows["dsync-1"]["step_s"] == pytest.approx(0.18)
+    assert rows["osp-0.25"]["step_s"] == pytest.approx(0.15 + 0.02)
+
+
+def test_straggler_slows_every_mode_and_hsp_carries_extras():
+    """The last rank 3x slower: compute and ready times 3x; HSP's fast rank computes 3 micro-batches."""
+    rows = by_mode(plan(synthetic(), Cluster(2, 1e11, straggler=3.0), delays=(2,)))
+    assert rows["dsync-2"]["step_s"] == pytest.approx(3 * 0.15 + 0.03)
+    hsp = rows["hsp"]
+    assert hsp["step_s"] == pytest.approx(0.45 + 0.0024 + 0.01)
+    assert hsp["samples_per_s"] == pytest.approx((1 * 3 + 1) * 10 / hsp["step_s"])
+    bound_sps = 4 * 10 / max(0.45 + 0.01, 0.0024)
+    assert hsp["bound_share"] == pytest.approx(hsp["samples_per_s"] / bound_sps)
+
+
+def tiny_factory(batch):
+    """``(model, loss_fn, batch)`` for ``python -m osp.profile --model test_plan:tiny_factory``."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256),
+                                torch.nn.Tanh(), torch.nn.Linear(256, 10))
+    g = torch.Generator().manual_seed(1)
+    data = (torch.randn(batch, 64, generator=g), torch.randint(0, 10, (batch,), generator=g))
+    return model, (lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1])), data
+
+
+def test_profile_measures_a_real_model(tmp_path):
+    model, loss_fn, batch = tiny_factory(32)
+    before = [p.detach().clone() for p in model.parameters()]
+    ptrs = [p.data_ptr() for p in model.parameters()]
+    out = tmp_path / "profile.json"
+    p = profile(model, loss_fn, batch, out=str(out), steps=3, warmup=1, bucket_mb=0.1)
+    assert json.loads(out.read_text()) == json.loads(json.dumps(p))
+    nparams = sum(q.numel() for q in model.parameters())
+    assert p["params"] == nparams and p["bytes"] == 4 * nparams and p["batch"] == 32
+    # buckets in backward's order: the last layers' first, ready before the first layers' (the last one)
+    assert len(p["buckets"]) >= 2 and sum(b["bytes"] for b in p["buckets"]) == 4 * nparams
+    ready = [b["ready_s"] for b in p["buckets"]]
+    assert all(r >= 0 for r in ready) and ready[0] < ready[-1] <= 2 * p["modes"]["bsp"]["backward_s"]
+    for name in ("plain", "bsp", "osp", "dsync", "hsp"):
+        m = p["modes"][name]
+        assert m["forward_s"] > 0 and m["backward_s"] > 0 and m["step_s"] > 0, (name, m)
+    # the user's model is untouched: same values, not made views of a flat buffer
+    assert [q.data_ptr() for q in model.parameters()] == ptrs
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    rows = plan(p, Cluster(4, parse_bandwidth("1gbit")))
+    assert rows[0]["mode"] == "bsp" and all(r["steps_per_s"] > 0 for r in rows)
+
+
+def test_the_command_lines(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.path.join(ROOT, "python")])}
+    out = tmp_path / "p.json"
+    subprocess.run([sys.executable, "-m", "osp.profile", "--model", "test_plan:tiny_factory", "--batch", "16",
+                    "--out", str(out), "--steps", "2", "--warmup", "1"], check=True, env=env, capture_output=True)
+    got = subprocess.run([sys.executable, "-m", "osp.plan", str(out), "--ranks", "8", "--link", "10gbit",
+                          "--latency", "5", "--json"], check=True, env=env, capture_output=True, text=True)
+    rows = json.loads(got.stdout)
+    assert {"bsp", "osp-auto", "osp-0.25", "dsync-2", "hsp"} <= {r["mode"] for r in rows}
+    assert all(set(r) >= {"mode", "steps_per_s", "bound_share"} for r in rows)
+    text = subprocess.run([sys.executable, "-m", "osp.plan", str(out), "--ranks", "8", "--link", "10gbit"],
+                          check=True, env=env, capture_output=True, text=True).stdout
+    assert "recommended: " in text
+    bad = subprocess.run([sys.executable, "-m", "osp.plan", str(out), "--ranks", "8", "--link", "fast"],
+                         env=env, capture_output=True, text=True)
+    assert bad.returncode == 2 and "as tc writes it" in bad.stderr and "'fast'" in bad.stderr
+
+
+def test_osp_profile_is_callable_from_python():
+    import osp
+
+    model, loss_fn, batch = tiny_factory(8)
+    p = osp.profile(model, loss_fn, batch, steps=1, warmup=0)
+    assert p["batch"] == 8 and set(p["modes"]) == {"plain", "bsp", "osp", "dsync", "hsp"}
+    assert osp.plan.plan(p, osp.plan.Cluster(2, 1e9))[0]["mode"] == "bsp"

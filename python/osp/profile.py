@@ -6,9 +6,9 @@
 
 ``--model pkg.module:factory`` names a callable ``factory(batch) -> (model, loss_fn, batch)``. From Python,
 ``osp.profile(model, loss_fn, batch)`` (``loss_fn(model, batch)`` returns the loss; the module is callable, and
-``osp.profile.profile`` is the same function) returns the profile as a dict and writes it as JSON with ``out=``. The user's model and optimizer are not touched: every
-measurement runs on a copy of the model, wrapped afresh per mode in ``osp.DistributedOptimizer`` on a
-one-rank process group (made here, and destroyed, when none exists).
+``osp.profile.profile`` is the same function) returns the profile as a dict and writes it as JSON with ``out=``.
+The user's model and optimizer are not touched: every measurement runs on a copy of the model, wrapped afresh
+per mode in ``osp.DistributedOptimizer`` on a one-rank process group (made here, and destroyed, when none exists).
 
 Measured (medians over ``steps`` after ``warmup``): per mode (``plain``: the wrapped optimizer alone, ``bsp``,
 ``osp`` at ``critical=0.25``, ``dsync`` at ``delay=2``, ``hsp``) ``forward_s``, ``backward_s`` (the mode's

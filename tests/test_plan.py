@@ -153,3 +153,18 @@ def test_osp_profile_is_callable_from_python():
     p = osp.profile(model, loss_fn, batch, steps=1, warmup=0)
     assert p["batch"] == 8 and set(p["modes"]) == {"plain", "bsp", "osp", "dsync", "hsp"}
     assert osp.plan.plan(p, osp.plan.Cluster(2, 1e9))[0]["mode"] == "bsp"
+
+
+def test_a_shared_host_caps_the_link_and_takes_compute():
+    """--host 2gbit with 2 ranks: T_host(30 MB) = 0.12 s of CPU taken from compute by BSP, OSP and DSync (not
+    HSP), and the unshaped link is the host: T(25 MB) = 0.1, T(5 MB) = 0.02, T(all) = 0.12."""
+    rows = by_mode(plan(synthetic(), Cluster(2, None, host=2e9), shares=(0.25,), delays=(2,)))
+    # BSP: compute 0.15 + 0.12; bucket 1 from 0.07 to 0.17, bucket 2 to 0.19: compute-bound, + step
+    assert rows["bsp"]["step_s"] == pytest.approx(0.27 + 0.01)
+    assert rows["dsync-2"]["step_s"] == pytest.approx(0.27 + 0.03)
+    assert rows["hsp"]["step_s"] == pytest.approx(0.15 + 0.12 + 0.01)
+    # a 10 Gbit/s link behind a 2 Gbit/s host is the host
+    assert Cluster(2, 1e10, host=2e9).allreduce_s(25e6) == pytest.approx(0.1)
+    assert Cluster(2, 1e9, host=2e9).allreduce_s(25e6) == pytest.approx(0.2)
+    with pytest.raises(ValueError, match="needs the host"):
+        Cluster(2, None)

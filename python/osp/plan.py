@@ -1,7 +1,7 @@
 """Predict each mode's speed on a cluster from a profile of the model (``osp.profile``).
 
     python -m osp.plan profile.json --ranks 64 --link 100gbit [--latency 5] [--nodes 8 --intra 400gbit]
-                       [--straggler 1.5] [--json]
+                       [--straggler 1.5] [--host 1.3gbit] [--json]
 
 The model, stated so it can be checked (``tests/test_plan.py`` holds it to these formulas):
 
@@ -9,6 +9,11 @@ The model, stated so it can be checked (``tests/test_plan.py`` holds it to these
   ``--nodes M`` (``G = N/M`` ranks a node), hierarchical: a ring inside each node over ``--intra``
   (``2(G-1)/G * 8b / intra + 2(G-1) * latency``) plus a ring across the nodes over the node's link, which the
   node's ``G`` ranks share (``2(M-1)/M * 8b / link + 2(M-1) * latency``).
+- **The host** (``--host BANDWIDTH``, for ranks that share one machine's CPUs, as ``bench/``'s emulated cluster
+  does; leave it out for GPUs with NCCL): the rate the ranks' own CPUs move an allreduce at when no link limits
+  it (the unshaped allreduce alone, measured). A link is then never faster than the host
+  (``--link none``: the host alone), and the collective's CPU work is taken from compute: every mode that
+  communicates while it computes (BSP, OSP, DSync) computes ``T_host(all bytes)`` longer a step.
 - **Compute**: the profile's forward ``F`` and backward ``B`` under the mode (its hooks included), times
   ``--straggler`` (the slowest rank's factor: every synchronous mode waits for it), then the mode's own
   ``step()`` time ``S`` as the profile measured it with one rank (packing, scoring, correction, the wrapped
@@ -33,8 +38,8 @@ The model, stated so it can be checked (``tests/test_plan.py`` holds it to these
   optimizer alone); a mode's ``bound_share`` is its samples/s over the bound's, where the bound with a straggler
   carries HSP's micro-batches (``bench/train_throughput.py``'s ceiling).
 
-Not in the model: the CPU that communication takes from compute when ranks share a host's cores (the
-emulated cluster of ``bench/``), congestion beyond the slowest link, jitter (DSync's reason for a delay > 1).
+Not in the model: congestion beyond the slowest link, jitter (DSync's reason for a delay > 1), the host's CPU
+work of a collective that runs after compute (HSP's) slowing anything but the collective itself.
 """
 from __future__ import annotations
 
@@ -63,10 +68,16 @@ def parse_bandwidth(text: str) -> float:
 class Cluster:
     """Ranks, links and latency (seconds) the plan predicts for."""
 
-    def __init__(self, ranks: int, link: float, latency: float = 0.0, nodes: Optional[int] = None,
-                 intra: Optional[float] = None, straggler: float = 1.0):
+    def __init__(self, ranks: int, link: Optional[float], latency: float = 0.0, nodes: Optional[int] = None,
+                 intra: Optional[float] = None, straggler: float = 1.0, host: Optional[float] = None):
         if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
             raise ValueError(f"osp.plan: ranks must be an integer >= 1, got {ranks!r}")
+        if host is not None and not host > 0:
+            raise ValueError(f"osp.plan: the host's rate must be positive, got {host!r}")
+        if link is None:  # unshaped: the host is the link
+            if host is None:
+                raise ValueError("osp.plan: --link none (no link limit) needs the host's rate (--host)")
+            link = host
         if not link > 0 or latency < 0 or not straggler >= 1.0:
             raise ValueError(f"osp.plan: expected link > 0, latency >= 0 and straggler >= 1, got link={link!r}, "
                              f"latency={latency!r}, straggler={straggler!r}")
@@ -74,17 +85,25 @@ class Cluster:
             raise ValueError(f"osp.plan: nodes must divide ranks ({ranks}) and need an intra-node bandwidth, got "
                              f"nodes={nodes!r}, intra={intra!r}")
         self.ranks, self.link, self.latency, self.straggler = ranks, link, latency, float(straggler)
-        self.nodes, self.intra = nodes, intra
+        self.nodes, self.intra, self.host = nodes, intra, host
+
+    def _ring(self, n: int, rate: float, nbytes: float) -> float:
+        if self.host is not None:
+            rate = min(rate, self.host)
+        return 0.0 if n <= 1 else 2 * (n - 1) / n * 8 * nbytes / rate + 2 * (n - 1) * self.latency
 
     def allreduce_s(self, nbytes: float) -> float:
-        """Seconds an allreduce of ``nbytes`` takes (ring; hierarchical with nodes)."""
-        def ring(n, rate, b):
-            return 0.0 if n <= 1 else 2 * (n - 1) / n * 8 * b / rate + 2 * (n - 1) * self.latency
-
+        """Seconds an allreduce of ``nbytes`` takes (ring; hierarchical with nodes; never faster than the host)."""
         if self.nodes is None:
-            return ring(self.ranks, self.link, nbytes)
+            return self._ring(self.ranks, self.link, nbytes)
         per_node = self.ranks // self.nodes
-        return ring(per_node, self.intra, nbytes) + ring(self.nodes, self.link, nbytes)
+        return self._ring(per_node, self.intra, nbytes) + self._ring(self.nodes, self.link, nbytes)
+
+    def host_cpu_s(self, nbytes: float) -> float:
+        """Compute time a step loses to the collective's CPU work on a shared host (0 without ``host``)."""
+        if self.host is None or self.ranks <= 1:
+            return 0.0
+        return 2 * (self.ranks - 1) / self.ranks * 8 * nbytes / self.host
 
 
 def _mode(profile: dict, name: str) -> dict:
@@ -96,9 +115,12 @@ def _mode(profile: dict, name: str) -> dict:
 
 
 def _compute(profile: dict, mode: str, cluster: Cluster):
+    """Forward, backward and step of ``mode`` on the slowest rank; a mode that communicates while it computes
+    loses the collective's CPU work on a shared host (``Cluster.host_cpu_s``), counted into backward."""
     m = _mode(profile, mode)
     x = cluster.straggler
-    return x * m["forward_s"], x * m["backward_s"], m["step_s"]
+    steal = 0.0 if mode in ("plain", "hsp") else cluster.host_cpu_s(sum(b["bytes"] for b in profile["buckets"]))
+    return x * m["forward_s"], x * m["backward_s"] + steal, m["step_s"]
 
 
 def _ready(profile: dict, cluster: Cluster) -> List[float]:
@@ -244,13 +266,16 @@ def main(argv=None) -> int:
     ap.add_argument("--nodes", type=int, default=None)
     ap.add_argument("--intra", default=None, help="the bandwidth inside a node (with --nodes)")
     ap.add_argument("--straggler", type=float, default=1.0, help="the slowest rank's compute over the others'")
+    ap.add_argument("--host", default=None, help="the ranks' own allreduce rate when no link limits it (ranks "
+                    "sharing one machine's CPUs; leave out for GPUs), as tc writes a rate")
     ap.add_argument("--json", action="store_true", help="print the modes as a JSON list")
     a = ap.parse_args(argv)
     try:
         with open(a.profile) as fh:
             profile = json.load(fh)
-        cluster = Cluster(a.ranks, parse_bandwidth(a.link), a.latency * 1e-6, a.nodes,
-                          parse_bandwidth(a.intra) if a.intra else None, a.straggler)
+        cluster = Cluster(a.ranks, None if a.link == "none" else parse_bandwidth(a.link), a.latency * 1e-6,
+                          a.nodes, parse_bandwidth(a.intra) if a.intra else None, a.straggler,
+                          parse_bandwidth(a.host) if a.host else None)
         rows = plan(profile, cluster)
     except (OSError, ValueError, KeyError) as e:
         print(f"osp.plan: {e}", file=sys.stderr)

@@ -8,7 +8,7 @@ CUDA_SRCS := $(wildcard csrc/cuda/*.cu)
 CUDA_CPP_SRCS := $(wildcard csrc/cuda/*.cpp)
 PYTEST_ARGS ?=
 
-.PHONY: install test test-only lint cuda-check gpu-check bench-kernels bench-accuracy bench-stragglers bench-stragglers-net bench-lightning bench-faults bench-tta bench-compression demo bench stress-exit mutation conformance-random clean
+.PHONY: install test test-only lint cuda-check gpu-check bench-kernels bench-accuracy bench-stragglers bench-stragglers-net bench-lightning bench-faults bench-plan bench-tta bench-compression demo bench stress-exit mutation conformance-random clean
 
 install:
 	@bash scripts/install.sh
@@ -99,6 +99,14 @@ bench-stragglers-net: install
 # plain loops and the halves of the perfect-overlap bound, 2 ranks, MLP 8.4M, batch 512, 2 repeats (about 5 minutes).
 bench-lightning: install
 	$(PY) bench/lightning_throughput.py --rate 1gbit --repeats 2 --json bench/results/lightning_throughput_1gbit_r2.json
+
+# osp.plan against measurement (needs root): for the MLP, ResNet-18 and GPT in turn, profiles, the throughput bench on
+# 2 and 4 ranks at 1 and 10 Gbit/s and unshaped (2 runs of each mode), each model's run pooling the previous ones
+# (about 100 minutes on 2 cores); the last writes the comparison of every configuration, bench/results/plan_validation.*
+bench-plan: install
+	$(PY) bench/plan_validation.py --models mlp --out bench/out/plan_mlp $(BENCH_ARGS)
+	$(PY) bench/plan_validation.py --models resnet18 --also bench/out/plan_mlp.json --out bench/out/plan_resnet18 $(BENCH_ARGS)
+	$(PY) bench/plan_validation.py --models gpt --also bench/out/plan_resnet18.json --out bench/results/plan_validation $(BENCH_ARGS)
 
 # Faults survived: SIGKILLed ranks under Horovod Elastic (3 ranks, 2 kills) and under torchrun restarts
 # (1 kill), each against the same job without faults, 3 seeds (3-4 minutes).

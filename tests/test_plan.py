@@ -118,6 +118,7 @@ def test_profile_measures_a_real_model(tmp_path):
     assert len(p["buckets"]) >= 2 and sum(b["bytes"] for b in p["buckets"]) == 4 * nparams
     ready = [b["ready_s"] for b in p["buckets"]]
     assert all(r >= 0 for r in ready) and ready[0] < ready[-1] <= 2 * p["modes"]["bsp"]["backward_s"]
+    assert 0 <= p["first_ready_s"] <= ready[0]  # the first gradient lands no later than its bucket's last
     for name in ("plain", "bsp", "osp", "dsync", "hsp"):
         m = p["modes"][name]
         assert m["forward_s"] > 0 and m["backward_s"] > 0 and m["step_s"] > 0, (name, m)
@@ -168,3 +169,24 @@ def test_a_shared_host_caps_the_link_and_takes_compute():
     assert Cluster(2, 1e9, host=2e9).allreduce_s(25e6) == pytest.approx(0.2)
     with pytest.raises(ValueError, match="needs the host"):
         Cluster(2, None)
+
+
+def test_compute_is_the_median_over_the_profiles_modes():
+    """The modes' forward and backward differ only by the profile's noise: every mode computes their median
+    (F 0.05, B 0.1 here, though the osp and dsync runs measured 0.08 and 0.2), and keeps its own step."""
+    p = synthetic()
+    p["modes"]["osp"].update(forward_s=0.08, backward_s=0.2)
+    p["modes"]["dsync"].update(forward_s=0.07, backward_s=0.15)
+    rows = by_mode(plan(p, Cluster(2, 1e11), shares=(0.25,), delays=(2,)))  # a fast link: compute-bound
+    assert rows["osp-0.25"]["step_s"] == pytest.approx(0.15 + 0.02)
+    assert rows["dsync-2"]["step_s"] == pytest.approx(0.15 + 0.03)
+    assert rows["bsp"]["step_s"] == pytest.approx(0.15 + 0.0004 + 0.01)  # the last bucket after backward
+
+
+def test_auto_models_its_share_on_the_window_it_measures():
+    """auto's modelled share is 0.8 * window / T(all), the window from the first gradient landing (here 60 ms
+    into backward) to the last (100 ms): 0.8 * 0.04 / 0.24 = 2/15 at 1 Gbit/s, not the whole backward's 1/3."""
+    p = synthetic()
+    assert by_mode(plan(p, Cluster(2, 1e9)))["osp-auto"]["critical"] == pytest.approx(1 / 3)
+    p["first_ready_s"] = 0.06
+    assert by_mode(plan(p, Cluster(2, 1e9)))["osp-auto"]["critical"] == pytest.approx(2 / 15)

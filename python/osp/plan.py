@@ -14,7 +14,8 @@ The model, stated so it can be checked (``tests/test_plan.py`` holds it to these
   it (the unshaped allreduce alone, measured). A link is then never faster than the host
   (``--link none``: the host alone), and the collective's CPU work is taken from compute: every mode that
   communicates while it computes (BSP, OSP, DSync) computes ``T_host(all bytes)`` longer a step.
-- **Compute**: the profile's forward ``F`` and backward ``B`` under the mode (its hooks included), times
+- **Compute**: the profile's forward ``F`` and backward ``B``, the median over its modes (one rank's hooks cost
+  less than the noise between the profile's runs of the modes), times
   ``--straggler`` (the slowest rank's factor: every synchronous mode waits for it), then the mode's own
   ``step()`` time ``S`` as the profile measured it with one rank (packing, scoring, correction, the wrapped
   optimizer).
@@ -27,7 +28,8 @@ The model, stated so it can be checked (``tests/test_plan.py`` holds it to these
   deferred ``1 - s`` of the gradient, issued at the previous ``step()``) on the link:
   ``t = max(F + B, end of the last critical bucket) + S``, the link starting the step busy for
   ``T(deferred) - S``. ``auto``: the share ``auto``'s rule picks, by this model's times instead of measured
-  ones (``0.8 * B / T(all)``, a quarter of it, and 1; a smaller share only if at least 3% faster).
+  ones (``0.8 * W / T(all)``, ``W`` the backward window ``auto`` measures, from the first gradient landing to the
+  last; a quarter of it, and 1; a smaller share only if at least 3% faster).
 - **DSync(k)**, ``k >= 1``: the averages start during backward and are needed ``k`` steps later, so in steady
   state ``t = max(F + B + S, T(all buckets))``.
 - **HSP**: one sum of the whole gradient at ``step()`` after a tiny "ready" round (no overlap with backward):
@@ -46,6 +48,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import sys
 from typing import Dict, List, Optional, Sequence
 
@@ -115,12 +118,16 @@ def _mode(profile: dict, name: str) -> dict:
 
 
 def _compute(profile: dict, mode: str, cluster: Cluster):
-    """Forward, backward and step of ``mode`` on the slowest rank; a mode that communicates while it computes
-    loses the collective's CPU work on a shared host (``Cluster.host_cpu_s``), counted into backward."""
-    m = _mode(profile, mode)
+    """Forward, backward and step of ``mode`` on the slowest rank. Forward and backward are the median over the
+    profile's modes (one rank's hooks cost less than the profile's noise between its runs of the modes: up to 12%
+    here), the step is the mode's own. A mode that communicates while it computes loses the collective's CPU
+    work on a shared host (``Cluster.host_cpu_s``), counted into backward."""
+    S = _mode(profile, mode)["step_s"]
     x = cluster.straggler
+    F, B = (statistics.median(m[k] for m in profile["modes"].values()) for k in ("forward_s", "backward_s"))
     steal = 0.0 if mode in ("plain", "hsp") else cluster.host_cpu_s(sum(b["bytes"] for b in profile["buckets"]))
-    return x * m["forward_s"], x * m["backward_s"] + steal, m["step_s"]
+    return x * F, x * B + steal, S
+
 
 
 def _ready(profile: dict, cluster: Cluster) -> List[float]:
@@ -183,9 +190,14 @@ def step_osp(profile: dict, cluster: Cluster, share: float, min_critical: float 
 
 def auto_share(profile: dict, cluster: Cluster) -> float:
     """The share ``critical="auto"`` settles on, by this model's step times: fully critical, the modelled
-    share ``0.8 * backward / allreduce``, and a quarter of it (at least 0.05); a smaller share only if at
-    least 3% faster."""
+    share ``0.8 * window / allreduce`` (the window: what ``auto`` measures, from the first gradient landing to the
+    last; the whole backward for a profile without ``first_ready_s``), and a quarter of it (at least 0.05); a
+    smaller share only if at least 3% faster."""
     _, B, _ = _compute(profile, "bsp", cluster)
+    if "first_ready_s" in profile:  # auto's own window: from the first gradient landing to the last
+        total = sum(b["bytes"] for b in profile["buckets"])
+        B = max(_ready(profile, cluster), default=0.0) - cluster.straggler * profile["first_ready_s"] \
+            + cluster.host_cpu_s(total)  # the collective's CPU work lengthens it on a shared host, as backward
     t_all = cluster.allreduce_s(sum(b["bytes"] for b in profile["buckets"]))
     if t_all <= 0:
         return 1.0
@@ -221,8 +233,8 @@ def plan(profile: dict, cluster: Cluster, shares: Sequence[float] = (0.1, 0.25, 
     batch = profile.get("batch") or 1
     x, n = cluster.straggler, cluster.ranks
     total = sum(b["bytes"] for b in profile["buckets"])
-    plain = _mode(profile, "plain")
-    bound_s = max(x * (plain["forward_s"] + plain["backward_s"]) + plain["step_s"], cluster.allreduce_s(total))
+    F, B, S = _compute(profile, "plain", cluster)  # the straggler's factor included
+    bound_s = max(F + B + S, cluster.allreduce_s(total))
     hsp_micro = (n - 1) * min(x, 1 + max_extra) + 1
     bound_sps = hsp_micro * batch / bound_s  # the ceiling: with x = 1, n micro-batches in the bound's step
 

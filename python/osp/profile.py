@@ -13,7 +13,8 @@ per mode in ``osp.DistributedOptimizer`` on a one-rank process group (made here,
 Measured (medians over ``steps`` after ``warmup``): per mode (``plain``: the wrapped optimizer alone, ``bsp``,
 ``osp`` at ``critical=0.25``, ``dsync`` at ``delay=2``, ``hsp``) ``forward_s``, ``backward_s`` (the mode's
 hooks included) and ``step_s``; per bucket of osp's layout (``bucket_mb``) its ``bytes`` and ``ready_s``, the
-moment its last gradient lands, from the start of backward (under BSP's hooks).
+moment its last gradient lands, from the start of backward (under BSP's hooks); ``first_ready_s``, when the first
+gradient lands (``auto``'s backward window runs from it to the last).
 """
 from __future__ import annotations
 
@@ -83,9 +84,10 @@ def _time_mode(mode: str, model, loss_fn, batch, optimizer, steps: int, warmup: 
                    for fg, lo, hi, ps in opt.mode.buckets.buckets]
         for p in net.parameters():
             p.register_post_accumulate_grad_hook(lambda p: landed.__setitem__(p, time.perf_counter()))
-    fwd, bwd, stp, ready = [], [], [], []
+    fwd, bwd, stp, ready, first = [], [], [], [], []
     for i in range(warmup + steps):
         opt.zero_grad()
+        landed.clear()
         t0 = time.perf_counter()
         loss = loss_fn(net, batch)
         t1 = time.perf_counter()
@@ -102,12 +104,14 @@ def _time_mode(mode: str, model, loss_fn, batch, optimizer, steps: int, warmup: 
             stp.append(t3 - t2)
             if buckets:
                 ready.append([max(landed.get(p, t1) for p in b["params"]) - t1 for b in buckets])
+                first.append(min(landed.values(), default=t1) - t1)
     if mode != "plain":
         opt.flush()
     out = {"forward_s": statistics.median(fwd), "backward_s": statistics.median(bwd), "step_s": statistics.median(stp)}
     if buckets:
         out["buckets"] = [{"bytes": b["bytes"], "ready_s": statistics.median(r[k] for r in ready)}
                           for k, b in enumerate(buckets)]
+        out["first_ready_s"] = statistics.median(first)
     del opt
     return out
 
@@ -131,11 +135,13 @@ def profile(model: torch.nn.Module, loss_fn: Callable, batch, optimizer: Optiona
         if made:
             torch.distributed.destroy_process_group()
     buckets = modes["bsp"].pop("buckets")
+    first_ready = modes["bsp"].pop("first_ready_s")
     params = [p for p in model.parameters() if p.requires_grad]
     result = {"version": 1, "model": name or type(model).__name__, "batch": _batch_size(batch),
               "params": sum(p.numel() for p in params), "bytes": sum(b["bytes"] for b in buckets),
               "device": str(params[0].device), "torch": torch.__version__, "threads": torch.get_num_threads(),
-              "steps": steps, "bucket_mb": bucket_mb, "buckets": buckets, "modes": modes,
+              "steps": steps, "bucket_mb": bucket_mb, "buckets": buckets, "first_ready_s": first_ready,
+              "modes": modes,
               "mode_options": {"plain": type(optimizer).__name__ if optimizer else "SGD(lr=0.01, momentum=0.9)",
                                **MODE_OPTIONS}}
     if out:

@@ -41,6 +41,7 @@ acc = Accelerator(gradient_accumulation_steps=args.accumulate, mixed_precision=a
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
 DDP = args.sync == "ddp"
+osp.teardown.register()  # osp's exit hook also for the DDP path, which makes no osp communicator to register it
 if DDP:
     model = acc.prepare_model(model)  # DistributedDataParallel
 else:
@@ -96,4 +97,7 @@ if args.json and acc.is_main_process:
     with open(args.json, "w") as f:
         json.dump(result, f)
 acc.wait_for_everyone()
+if DDP:  # DDP's reducer holds the process group: release it, or Gloo's threads outlive the script (docs/faults.md)
+    acc.free_memory()
+    del model, prepared, opt, sched
 acc.end_training()

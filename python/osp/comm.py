@@ -324,6 +324,16 @@ class HorovodComm(Comm):
         return out
 
 
+class _Released:
+    """What a communicator's group is once osp released it at exit (``TorchComm.release_group``)."""
+
+    def __repr__(self):
+        return "<a process group osp made, destroyed and released at exit>"
+
+
+_RELEASED = _Released()
+
+
 class TorchComm(Comm):
     """torch.distributed: allreduce-sum then divide by the world size (Gloo has no AVG)."""
 
@@ -374,7 +384,14 @@ class TorchComm(Comm):
         if self._late is None:
             g = self.dist.new_group(timeout=datetime.timedelta(seconds=timeout))
             self._late = TorchComm(g)
+            teardown.made_group(self._late)  # osp's own group: released at exit so its threads are joined
         return self._late
+
+    def release_group(self) -> None:
+        """Drop this communicator's reference to its process group (at exit, after the groups were destroyed):
+        an optimizer the script still holds would otherwise keep the group, and Gloo's threads, alive into the
+        interpreter's shutdown. Anything sent on it afterwards fails."""
+        self.group = _RELEASED
 
     def poll(self, handle):
         return handle.done or handle.work.is_completed()

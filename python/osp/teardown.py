@@ -14,9 +14,10 @@ is still whole, the hook
 1. waits for osp's own collectives still in flight (OSP's stage 2, BSP's buckets): every rank issued
    them, so on a healthy job they complete; all of them together may take ``OSP_EXIT_TIMEOUT``
    seconds (default 60), and a failed or late one stops the teardown with a warning;
-2. destroys torch.distributed's process groups if the script did not: their destructors drain the
-   work queues and join the worker threads with the GIL released, so no thread is left to take the
-   GIL later. This too is bounded by the same deadline.
+2. destroys torch.distributed's process groups if the script did not, and lets go of the groups osp
+   made itself (OSP's second group, which an optimizer still alive at exit holds): their destructors
+   drain the work queues and join the worker threads with the GIL released, so no thread is left to
+   take the GIL later. This too is bounded by the same deadline.
 
 Horovod registers ``hvd.shutdown()`` at ``hvd.init()``; that hook runs after osp's (atexit runs
 hooks in reverse order), once osp's collectives are complete.
@@ -37,11 +38,15 @@ import threading
 import time
 import types
 import warnings
+import weakref
 from typing import Dict
 
 # the communicators with collectives in flight (held until those complete): each ``osp.comm.Comm`` tells
 # ``busy`` / ``idle`` and offers ``pending()``, ``wait()``, ``active()`` and ``forget_pending()``
 _busy: Dict[int, object] = {}
+# the communicators of process groups osp made itself (OSP's second group for stage 2): the optimizer that holds
+# one may outlive the script's last line, so at exit each drops its group (``release_group()``)
+_made: "weakref.WeakSet" = weakref.WeakSet()
 _registered = False
 _disabled = False
 
@@ -89,6 +94,11 @@ def pending() -> int:
     return sum(len(c.pending()) for c in list(_busy.values()))
 
 
+def made_group(comm) -> None:
+    """``comm`` runs on a process group osp created: at exit, once the groups are destroyed, it lets go of it."""
+    _made.add(comm)
+
+
 def forget(comm) -> None:
     """``comm``'s engine was restarted (Horovod Elastic's reset): its collectives in flight are gone
     with it, and nobody may wait for them at exit."""
@@ -134,6 +144,9 @@ def _destroy_process_groups(deadline: float) -> None:
         try:
             if dist.is_initialized():
                 dist.destroy_process_group()
+            for comm in list(_made):  # destroyed above (or by the script): only osp's reference keeps them
+                comm.release_group()
+            _made.clear()
             # also when the script destroyed the group itself: the group object must really go
             _drop_stale_defaults(dist.ProcessGroup)
         except Exception as e:  # pragma: no cover - reported below

@@ -34,6 +34,8 @@ from osp import comm as C  # noqa: E402
 
 torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
 handle = C.get_comm("torch").allreduce_avg_async_(torch.ones(1 << 16), "never-waited")
+late = C.get_comm("torch").late(60.0)  # OSP's second group, held as an optimizer alive at exit holds it
+late.wait(late.allreduce_avg_async_(torch.ones(4), "late"))
 if mode == "destroyed":
     C.get_comm("torch").wait(handle)
     dist.destroy_process_group()

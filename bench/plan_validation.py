@@ -35,7 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "python"))
 from bench.models import DEFAULT_BATCH  # noqa: E402
-from osp.plan import Cluster, parse_bandwidth, plan  # noqa: E402
+from osp.plan import AUTO_MIN_CRITICAL, TCP_ETHERNET_1500, Cluster, parse_bandwidth, plan, step_osp  # noqa: E402
 
 # the bench's contender -> osp.plan's mode
 MODES = {"osp-bsp": "bsp", "osp-auto": "osp-auto", "osp-0.25": "osp-0.25", "dsync-2": "dsync-2", "hsp-bsp": "hsp"}
@@ -90,7 +90,8 @@ def pool_runs(rowsets: list) -> list:
         steps = [s for r in rs for s in r.get("step_s_runs", [r["step_s"]])]
         runs = sorted(r["samples_per_s"] * r["step_s"] / s for r in rs for s in r.get("step_s_runs", [r["step_s"]]))
         pooled.append({**rs[0], "samples_per_s": statistics.median(runs), "step_s": statistics.median(steps),
-                       "runs_sps": runs, "spread": runs[-1] / runs[0] - 1})
+                       "runs_sps": runs, "spread": runs[-1] / runs[0] - 1,
+                       "criticals_runs": [r["critical_fraction"] for r in rs if r.get("critical_fraction")]})
     return pooled
 
 
@@ -107,17 +108,25 @@ def compare(profiles: dict, rows: list) -> list:
         if unshaped is None:
             raise ValueError(f"no unshaped allreduce row for {model} at {ranks} ranks: the host's rate is unknown")
         host = 2 * (ranks - 1) / ranks * 8 * unshaped["bytes"] / unshaped["step_s"]
-        cluster = Cluster(ranks, None if rate == "none" else parse_bandwidth(rate), host=host)
+        # the bench's links are tc limits on veths at MTU 1500: they count each frame's headers
+        cluster = Cluster(ranks, None if rate == "none" else parse_bandwidth(rate), host=host,
+                          efficiency=TCP_ETHERNET_1500)
         predicted = {p["mode"]: p for p in plan(profile, cluster, shares=(0.25,), delays=(2,))}
         modes = []
         for contender, mode in MODES.items():
             if contender not in peers:
                 continue
             m, p = peers[contender], predicted[mode]
-            modes.append({"contender": contender, "mode": mode, "measured_sps": m["samples_per_s"],
-                          "predicted_sps": p["samples_per_s"], "error": p["samples_per_s"] / m["samples_per_s"] - 1,
-                          "runs_sps": m.get("runs_sps", [m["samples_per_s"]]), "spread": m.get("spread", 0.0),
-                          "measured_critical": m.get("critical_fraction"), "predicted_critical": p.get("critical")})
+            row = {"contender": contender, "mode": mode, "measured_sps": m["samples_per_s"],
+                   "predicted_sps": p["samples_per_s"], "error": p["samples_per_s"] / m["samples_per_s"] - 1,
+                   "runs_sps": m.get("runs_sps", [m["samples_per_s"]]), "spread": m.get("spread", 0.0),
+                   "measured_critical": m.get("critical_fraction"), "predicted_critical": p.get("critical")}
+            if mode == "osp-auto":  # the model of the mode, apart from auto's choice: at the shares auto ran
+                shares = m.get("criticals_runs") or [m.get("critical_fraction") or 1.0]
+                at = statistics.median(ranks * profile["batch"] / step_osp(profile, cluster, c, AUTO_MIN_CRITICAL)
+                                       for c in shares)
+                row.update(at_measured_sps=at, at_measured_error=at / m["samples_per_s"] - 1)
+            modes.append(row)
         plain = profile["modes"]["plain"]
         check = {"compute_predicted_s": plain["forward_s"] + plain["backward_s"] + plain["step_s"],
                  "compute_measured_s": peers["compute"]["step_s"] if "compute" in peers else None,
@@ -156,6 +165,8 @@ def markdown(configs: list) -> str:
             crit = ("-" if m["predicted_critical"] is None else
                     f"{m['measured_critical'] or 0:.2f} / {m['predicted_critical']:.2f}")
             mark = "" if abs(m["error"]) <= TOLERANCE else " **x**"
+            if "at_measured_error" in m:
+                crit += f" (at the measured share: {m['at_measured_error']:+.0%})"
             lines.append(f"| {c['model']} | {c['ranks']} | {c['rate']} | {m['mode']} | {m['measured_sps']:.1f} "
                          f"({len(m['runs_sps'])} runs, {m['spread']:.0%}) | {m['predicted_sps']:.1f} | "
                          f"{m['error']:+.0%}{mark} | {crit} |")
@@ -185,10 +196,13 @@ def summary(configs: list) -> str:
     for c in configs:
         for m in c["modes"]:
             by_mode.setdefault(m["mode"], []).append(abs(m["error"]) <= TOLERANCE)
+    auto = [m["at_measured_error"] for c in configs for m in c["modes"] if "at_measured_error" in m]
+    auto_within = sum(abs(e) <= TOLERANCE for e in auto)
     return (f"{within} of {len(errors)} predictions within {TOLERANCE:.0%} of the measured samples/s (median "
             f"|error| {errors[len(errors) // 2]:.0%}, worst {errors[-1]:.0%}; per mode: "
             + ", ".join(f"{k} {sum(v)}/{len(v)}" for k, v in by_mode.items())
-            + f"). The measurement's own spread between runs of one mode: median {spreads[len(spreads) // 2]:.0%}, "
+            + f"; osp-auto at the shares auto measured and ran: {auto_within}/{len(auto)}). "
+            f"The measurement's own spread between runs of one mode: median {spreads[len(spreads) // 2]:.0%}, "
             f"worst {spreads[-1]:.0%}. The order of modes more than {ORDER_GAP:.0%} apart predicted right in "
             f"{pairs - wrong} of {pairs} pairs; in {clear - clear_wrong} of {clear} where the runs do not overlap.")
 

@@ -50,6 +50,24 @@ def test_allreduce_is_the_ring_and_the_hierarchy():
         Cluster(8, 1e9, nodes=3, intra=1e10)
 
 
+def test_link_efficiency_takes_the_framing_off_the_link_not_the_host():
+    """TCP over Ethernet at MTU 1500: 1448 of every 1514 bytes on the link are the gradient's."""
+    from osp.plan import TCP_ETHERNET_1500
+
+    b = 1e6
+    assert TCP_ETHERNET_1500 == pytest.approx(0.9564, abs=1e-4)
+    assert Cluster(4, 1e9, 5e-6, efficiency=0.9).allreduce_s(b) == pytest.approx(
+        2 * 3 / 4 * 8 * b / 0.9e9 + 6 * 5e-6)
+    # the host's rate is a measured payload rate: no framing comes off it
+    assert Cluster(2, None, host=2e9, efficiency=0.5).allreduce_s(b) == pytest.approx(8 * b / 2e9)
+    assert Cluster(2, 1e10, host=2e9, efficiency=0.5).allreduce_s(b) == pytest.approx(8 * b / 2e9)
+    got = Cluster(8, 1e11, 1e-6, nodes=2, intra=4e11, efficiency=0.5).allreduce_s(b)
+    assert got == pytest.approx(2 * 3 / 4 * 8 * b / 2e11 + 6e-6 + 2 * 1 / 2 * 8 * b / 5e10 + 2e-6)
+    for bad in (0.0, 1.5, -1.0):
+        with pytest.raises(ValueError, match="efficiency"):
+            Cluster(2, 1e9, efficiency=bad)
+
+
 def test_link_bound_closed_form():
     """2 ranks at 1 Gbit/s: T(b) = 8b / 1e9 (25 MB: 0.2 s, 5 MB: 0.04 s, all 30 MB: 0.24 s)."""
     rows = by_mode(plan(synthetic(), Cluster(2, 1e9), shares=(0.25,), delays=(2,)))

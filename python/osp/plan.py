@@ -1,7 +1,7 @@
 """Predict each mode's speed on a cluster from a profile of the model (``osp.profile``).
 
     python -m osp.plan profile.json --ranks 64 --link 100gbit [--latency 5] [--nodes 8 --intra 400gbit]
-                       [--straggler 1.5] [--host 1.3gbit] [--json]
+                       [--straggler 1.5] [--host 1.3gbit] [--efficiency 0.956] [--json]
 
 The model, stated so it can be checked (``tests/test_plan.py`` holds it to these formulas):
 
@@ -9,6 +9,8 @@ The model, stated so it can be checked (``tests/test_plan.py`` holds it to these
   ``--nodes M`` (``G = N/M`` ranks a node), hierarchical: a ring inside each node over ``--intra``
   (``2(G-1)/G * 8b / intra + 2(G-1) * latency``) plus a ring across the nodes over the node's link, which the
   node's ``G`` ranks share (``2(M-1)/M * 8b / link + 2(M-1) * latency``).
+- **The link's payload**: ``--efficiency`` (default 1) of a link's rate carries the gradient, the rest is
+  headers and framing: ``1448/1514`` (0.956) for TCP over Ethernet at MTU 1500 as tc counts a frame.
 - **The host** (``--host BANDWIDTH``, for ranks that share one machine's CPUs, as ``bench/``'s emulated cluster
   does; leave it out for GPUs with NCCL): the rate the ranks' own CPUs move an allreduce at when no link limits
   it (the unshaped allreduce alone, measured). A link is then never faster than the host
@@ -54,6 +56,9 @@ from typing import Dict, List, Optional, Sequence
 
 _UNITS = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 AUTO_MIN_CRITICAL = 0.05  # osp.OSP(critical="auto")'s default floor (docs/design.md, The budget)
+# TCP over Ethernet at MTU 1500: 1448 bytes of payload (1500 less IPv4's 20 and TCP's 32 with timestamps) in a
+# 1514-byte frame, which is what tc's rate limits count on a veth (the bench's emulated links)
+TCP_ETHERNET_1500 = 1448 / 1514
 
 
 def parse_bandwidth(text: str) -> float:
@@ -72,15 +77,22 @@ class Cluster:
     """Ranks, links and latency (seconds) the plan predicts for."""
 
     def __init__(self, ranks: int, link: Optional[float], latency: float = 0.0, nodes: Optional[int] = None,
-                 intra: Optional[float] = None, straggler: float = 1.0, host: Optional[float] = None):
+                 intra: Optional[float] = None, straggler: float = 1.0, host: Optional[float] = None,
+                 efficiency: float = 1.0):
         if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
             raise ValueError(f"osp.plan: ranks must be an integer >= 1, got {ranks!r}")
         if host is not None and not host > 0:
             raise ValueError(f"osp.plan: the host's rate must be positive, got {host!r}")
-        if link is None:  # unshaped: the host is the link
+        if not 0.0 < efficiency <= 1.0:
+            raise ValueError(f"osp.plan: the link's efficiency is the share of its rate that carries payload, in "
+                             f"(0, 1], got {efficiency!r}")
+        if link is None:  # unshaped: the host is the link (a measured payload rate: no framing to take off)
             if host is None:
                 raise ValueError("osp.plan: --link none (no link limit) needs the host's rate (--host)")
             link = host
+        else:  # the payload's rate: headers and framing ride on the link's rate too
+            link = link * efficiency
+            intra = None if intra is None else intra * efficiency
         if not link > 0 or latency < 0 or not straggler >= 1.0:
             raise ValueError(f"osp.plan: expected link > 0, latency >= 0 and straggler >= 1, got link={link!r}, "
                              f"latency={latency!r}, straggler={straggler!r}")
@@ -88,7 +100,7 @@ class Cluster:
             raise ValueError(f"osp.plan: nodes must divide ranks ({ranks}) and need an intra-node bandwidth, got "
                              f"nodes={nodes!r}, intra={intra!r}")
         self.ranks, self.link, self.latency, self.straggler = ranks, link, latency, float(straggler)
-        self.nodes, self.intra, self.host = nodes, intra, host
+        self.nodes, self.intra, self.host, self.efficiency = nodes, intra, host, efficiency
 
     def _ring(self, n: int, rate: float, nbytes: float) -> float:
         if self.host is not None:
@@ -278,6 +290,9 @@ def main(argv=None) -> int:
     ap.add_argument("--nodes", type=int, default=None)
     ap.add_argument("--intra", default=None, help="the bandwidth inside a node (with --nodes)")
     ap.add_argument("--straggler", type=float, default=1.0, help="the slowest rank's compute over the others'")
+    ap.add_argument("--efficiency", type=float, default=1.0, help="the share of a link's rate that carries the "
+                    f"gradient (headers and framing take the rest): {TCP_ETHERNET_1500:.3f} for TCP over Ethernet at "
+                    "MTU 1500 as tc counts it, about 0.99 at MTU 9000; default 1")
     ap.add_argument("--host", default=None, help="the ranks' own allreduce rate when no link limits it (ranks "
                     "sharing one machine's CPUs; leave out for GPUs), as tc writes a rate")
     ap.add_argument("--json", action="store_true", help="print the modes as a JSON list")
@@ -287,7 +302,7 @@ def main(argv=None) -> int:
             profile = json.load(fh)
         cluster = Cluster(a.ranks, None if a.link == "none" else parse_bandwidth(a.link), a.latency * 1e-6,
                           a.nodes, parse_bandwidth(a.intra) if a.intra else None, a.straggler,
-                          parse_bandwidth(a.host) if a.host else None)
+                          parse_bandwidth(a.host) if a.host else None, a.efficiency)
         rows = plan(profile, cluster)
     except (OSError, ValueError, KeyError) as e:
         print(f"osp.plan: {e}", file=sys.stderr)

@@ -100,13 +100,18 @@ bench-stragglers-net: install
 bench-lightning: install
 	$(PY) bench/lightning_throughput.py --rate 1gbit --repeats 2 --json bench/results/lightning_throughput_1gbit_r2.json
 
-# osp.plan against measurement (needs root): for the MLP, ResNet-18 and GPT in turn, profiles, the throughput bench on
-# 2 and 4 ranks at 1 and 10 Gbit/s and unshaped (2 runs of each mode), each model's run pooling the previous ones
-# (about 100 minutes on 2 cores); the last writes the comparison of every configuration, bench/results/plan_validation.*
+# osp.plan against measurement (needs root): for the MLP, ResNet-18 and GPT in turn, profiles and the throughput
+# bench on 2 and 4 ranks at 1 and 10 Gbit/s and unshaped (each mode once); then a second pass of the bench on the
+# same profiles, each run pooling the ones before (about 90 minutes on 2 cores); the last writes the comparison of
+# every configuration, bench/results/plan_validation.*
+PLAN_OUT := bench/out/plan
 bench-plan: install
-	$(PY) bench/plan_validation.py --models mlp --out bench/out/plan_mlp $(BENCH_ARGS)
-	$(PY) bench/plan_validation.py --models resnet18 --also bench/out/plan_mlp.json --out bench/out/plan_resnet18 $(BENCH_ARGS)
-	$(PY) bench/plan_validation.py --models gpt --also bench/out/plan_resnet18.json --out bench/results/plan_validation $(BENCH_ARGS)
+	$(PY) bench/plan_validation.py --models mlp --repeats 1 --out $(PLAN_OUT)_mlp $(BENCH_ARGS)
+	$(PY) bench/plan_validation.py --models resnet18 --repeats 1 --also $(PLAN_OUT)_mlp.json --out $(PLAN_OUT)_resnet18 $(BENCH_ARGS)
+	$(PY) bench/plan_validation.py --models gpt --repeats 1 --also $(PLAN_OUT)_resnet18.json --out $(PLAN_OUT)_gpt $(BENCH_ARGS)
+	$(PY) bench/plan_validation.py --models mlp --repeats 1 --profiles $(PLAN_OUT)_gpt.json --also $(PLAN_OUT)_gpt.json --out $(PLAN_OUT)_mlp2 $(BENCH_ARGS)
+	$(PY) bench/plan_validation.py --models resnet18 --repeats 1 --profiles $(PLAN_OUT)_mlp2.json --also $(PLAN_OUT)_mlp2.json --out $(PLAN_OUT)_r18_2 $(BENCH_ARGS)
+	$(PY) bench/plan_validation.py --models gpt --repeats 1 --profiles $(PLAN_OUT)_r18_2.json --also $(PLAN_OUT)_r18_2.json --out bench/results/plan_validation $(BENCH_ARGS)
 
 # Faults survived: SIGKILLed ranks under Horovod Elastic (3 ranks, 2 kills) and under torchrun restarts
 # (1 kill), each against the same job without faults, 3 seeds (3-4 minutes).

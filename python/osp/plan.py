@@ -305,7 +305,8 @@ def main(argv=None) -> int:
                           parse_bandwidth(a.host) if a.host else None, a.efficiency)
         rows = plan(profile, cluster)
     except (OSError, ValueError, KeyError) as e:
-        print(f"osp.plan: {e}", file=sys.stderr)
+        msg = str(e)
+        print(msg if msg.startswith("osp.plan:") else f"osp.plan: {msg}", file=sys.stderr)
         return 2
     if a.json:
         print(json.dumps(rows, indent=1))

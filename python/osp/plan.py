@@ -100,7 +100,7 @@ class Cluster:
             raise ValueError(f"osp.plan: nodes must divide ranks ({ranks}) and need an intra-node bandwidth, got "
                              f"nodes={nodes!r}, intra={intra!r}")
         self.ranks, self.link, self.latency, self.straggler = ranks, link, latency, float(straggler)
-        self.nodes, self.intra, self.host, self.efficiency = nodes, intra, host, efficiency
+        self.nodes, self.intra, self.host = nodes, intra, host
 
     def _ring(self, n: int, rate: float, nbytes: float) -> float:
         if self.host is not None:

@@ -9,12 +9,17 @@ import runpy
 import sys
 
 
+def thread_names() -> list:
+    """This process's threads, by the names the kernel has for them (Gloo's: gloo_tcp_loop, pt_gloo_runloop)."""
+    return sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
+
+
 def report():
-    names = sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
     with open(os.path.join(os.environ["THREADS_AT_EXIT_DIR"], os.environ.get("RANK", "0") + ".json"), "w") as fh:
-        json.dump(names, fh)
+        json.dump(thread_names(), fh)
 
 
-atexit.register(report)
-sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name="__main__")
+if __name__ == "__main__":
+    atexit.register(report)
+    sys.argv = sys.argv[1:]
+    runpy.run_path(sys.argv[0], run_name="__main__")

@@ -73,16 +73,42 @@ class Accumulation:
                 fn(p)
 
         self._hooks = [p.register_post_accumulate_grad_hook(hook) for fg in groups for p in fg.params]
+        # the prescale acts on what accumulates into .grad, and on nothing else: a pre-hook on each
+        # parameter's gradient accumulator, which a backward pass runs (no_sync passes, HSP's extra
+        # micro-batches, the backward of a create_graph graph alike) and torch.autograd.grad does not. A
+        # tensor hook on the parameter would scale autograd.grad's results too (a gradient penalty's).
+        # Each node is held here, apart from ``_accumulators``: released, torch would make the parameter
+        # a new one, without the hook
+        self._scale = None
+        self._scaled: Dict[torch.nn.Parameter, tuple] = {}  # parameter -> (its node, the hook's handle)
         if prescale is not None:
-            def scale(g, prescale=prescale):
+            def scale(grads, prescale=prescale):
                 f = prescale()
-                return None if f == 1.0 else g * f
+                if f == 1.0 or grads[0] is None:
+                    return None
+                return (grads[0] * f,) + tuple(grads[1:])
 
-            self._hooks += [p.register_hook(scale) for fg in groups for p in fg.params]
+            self._scale = scale
+            for p, node in self._accumulators:
+                self._hook_scale(p, node)
+
+    def _hook_scale(self, p: torch.Tensor, node) -> None:
+        """Put the prescale on ``node``, ``p``'s gradient accumulator now (off the one it had before)."""
+        if self._scale is None or node is None:
+            return
+        held = self._scaled.get(p)
+        if held is not None:
+            if held[0] is node:
+                return
+            held[1].remove()
+        self._scaled[p] = (node, node.register_prehook(self._scale))
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
             h.remove()
+        for _, h in self._scaled.values():
+            h.remove()
+        self._scaled.clear()
 
     def on_grad(self, p: torch.Tensor) -> None:
         """A backward pass accumulated ``p``'s gradient."""
@@ -157,6 +183,7 @@ class Accumulation:
             fresh = _accumulator(p)
             if fresh is not node:
                 self._accumulators[k] = (p, fresh)
+                self._hook_scale(p, fresh)
                 if fresh is not None and will_run(fresh):
                     continue
             self._unreached.add(p)

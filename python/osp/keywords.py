@@ -6,7 +6,8 @@ what was got) and says what each becomes:
 
 - ``op`` and ``gradient_predivide_factor``: a ``Reduction``. ``op=hvd.Sum`` makes the step apply the sum
   of the ranks' gradients: each backward pass's gradient is multiplied by the number of ranks where it
-  arrives (a tensor hook, before it accumulates into ``.grad``), so every mode's average is the sum
+  arrives (a pre-hook on the parameter's gradient accumulator, before it accumulates into ``.grad``;
+  ``torch.autograd.grad``, which accumulates nothing, returns the true gradient), so every mode's average is the sum
   (bitwise, for a power-of-two number of ranks) and OSP's local estimate of the deferred part is at the
   sum's scale too. ``gradient_predivide_factor=f`` divides each gradient by ``f`` on arrival and
   multiplies the average by ``f`` after it, as Horovod's pre- and postscale factors do (BSP: the one mode where the

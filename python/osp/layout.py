@@ -22,6 +22,9 @@ class FlatGroup:
         self.params, self.names, self.group_index = params, names, group_index
         self.dtype, self.device = params[0].dtype, params[0].device
         self.index = {id(p): i for i, p in enumerate(params)}
+        # each parameter's shape, and its strides where it keeps them (dense, not row-major: channels_last)
+        self.shapes = [p.shape for p in params]
+        self.strides = [_kept_strides(p, n) for p, n in zip(params, names)]
         self.offsets, off = [], 0
         for p in params:
             self.offsets.append(off)
@@ -34,8 +37,8 @@ class FlatGroup:
         self.param = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
         self.grad = torch.zeros_like(self.param)
         with torch.no_grad():
-            for p, o in zip(params, self.offsets):
-                v = self.param[o:o + p.numel()].view_as(p)
+            for i, p in enumerate(params):
+                v = self.view(self.param, i)
                 v.copy_(p.detach())
                 p.data = v
         self._ptrs = [p.data_ptr() for p in params]
@@ -50,9 +53,11 @@ class FlatGroup:
                            for p, o in zip(params, self.offsets)]
 
     def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
-        """Parameter ``i``'s part of a flat buffer laid out like this group."""
-        p, o = self.params[i], self.offsets[i]
-        return flat[o:o + p.numel()].view_as(p)
+        """Parameter ``i``'s part of a flat buffer laid out like this group: its elements in the parameter's
+        memory order (row-major, or as its strides were when wrapped, e.g. channels_last)."""
+        shape, strides, o = self.shapes[i], self.strides[i], self.offsets[i]
+        part = flat[o:o + shape.numel()]
+        return part.view(shape) if strides is None else part.as_strided(shape, strides)
 
     def _alias(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         """Parameter ``i``'s part of ``flat`` as a tensor of its own (not a view: own version counter)."""
@@ -116,6 +121,41 @@ class FlatGroup:
         (reads the mask on the host)."""
         m = block_mask.tolist()
         return [i for i, (b0, b1) in enumerate(self.block_span) if any(m[b0:b1 + 1])]
+
+
+def memory_layout(p: torch.Tensor):
+    """How ``p``'s elements lie in its memory, as osp's flat buffer keeps them: None for row-major (and for a
+    parameter with gaps, a slice, which becomes row-major: the layout torch gives its gradient), the strides
+    of a dense one that is not row-major (channels_last, a transposed weight; None where a dimension of size
+    1 places nothing), or ``"overlapping"`` where elements share memory (expanded). Every rank must have
+    the same: the flat buffers are averaged element by element, in memory order."""
+    if p.is_contiguous():
+        return None
+    # by increasing stride (dimensions of size 1 place nothing): dense where each stride is the number of
+    # elements the smaller ones span, overlapping where one is within what they span
+    extent, dense = 0, True  # extent: the farthest element from the first over the dimensions so far
+    for stride, size in sorted((st, sz) for st, sz in zip(p.stride(), p.shape) if sz > 1):
+        if stride <= extent:
+            return "overlapping"
+        dense = dense and stride == extent + 1
+        extent += stride * (size - 1)
+    return tuple(st if sz > 1 else None for st, sz in zip(p.stride(), p.shape)) if dense else None
+
+
+def _kept_strides(p: torch.Tensor, name: str) -> Optional[tuple]:
+    """The strides ``p``'s view of a flat buffer gets (``memory_layout``): None for row-major, ``p``'s own
+    where its memory is dense and not row-major, so the kernels that run on it and on its gradient (torch
+    gives a gradient the parameter's strides) stay those the user chose. A parameter whose elements share
+    memory cannot become a view of its own elements: refused."""
+    kept = memory_layout(p)
+    if kept == "overlapping":
+        raise ValueError(
+            f"osp: parameter {name!r} has elements that share memory (shape {list(p.shape)}, strides "
+            f"{list(p.stride())}: expanded, or made by as_strided); expected a parameter whose elements are "
+            "distinct (contiguous, channels_last, or any dense layout), as osp moves each element into a "
+            "flat buffer of its own, where they would train apart. Make it one with .contiguous() (or "
+            ".clone()) before building the optimizer, or keep it out of the optimizer")
+    return None if kept is None else tuple(p.stride())
 
 
 class Workspace:

@@ -7,13 +7,14 @@ train on each rank alone and the replicas would diverge.
 """
 from __future__ import annotations
 
+import inspect
 from typing import Dict, List, Tuple
 
 import torch
 
 from . import ops
 from .comm import Comm
-from .layout import FlatGroup
+from .layout import FlatGroup, memory_layout
 from .modes.base import Options
 
 
@@ -25,6 +26,16 @@ def check_arguments(optimizer, sync, passes, timeout, on_synced):
         raise ValueError("osp: torch.optim.SparseAdam steps sparse gradients only, and osp averages dense ones "
                          "(in flat buffers): use torch.optim.Adam, with sparse_as_dense=True for a sparse "
                          "embedding (as with Horovod's sparse_as_dense)")
+    needs = _required_step_arguments(optimizer)
+    if needs:
+        cls = type(optimizer)
+        raise ValueError(
+            f"osp: {cls.__name__}.step() requires {', '.join(map(repr, needs))} (expected an "
+            "optimizer whose step() runs without arguments): osp steps the wrapped optimizer itself, and its exact "
+            "corrections step it again, with the averaged gradient in .grad and no closure to re-evaluate the loss "
+            "(an optimizer that needs one, as torch.optim.LBFGS does, evaluates it several times per step on "
+            "this rank's own data). Use an optimizer whose step() needs no closure (SGD, Adam, ...), or "
+            "hvd.DistributedOptimizer / DistributedDataParallel for LBFGS")
     if not isinstance(sync, Options):
         raise TypeError(f"osp: sync must be osp.BSP(), osp.OSP(...), osp.DSync(...) or osp.HSP(...), got {sync!r}")
     if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
@@ -34,6 +45,20 @@ def check_arguments(optimizer, sync, passes, timeout, on_synced):
     if on_synced is not None and not callable(on_synced):
         raise TypeError(f"osp: on_synced must be callable or None, got {on_synced!r}")
     return sync
+
+
+def _required_step_arguments(optimizer) -> List[str]:
+    """The arguments ``type(optimizer).step`` cannot be called without (LBFGS's ``closure``), by its
+    signature: osp calls it with none."""
+    try:
+        sig = inspect.signature(type(optimizer).step)
+    except (TypeError, ValueError):  # no signature to read (a builtin): osp's call is the test
+        return []
+    params = list(sig.parameters.values())
+    if params and params[0].kind in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD):
+        params = params[1:]  # self
+    return [p.name for p in params if p.default is p.empty
+            and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
 
 def names(optimizer: torch.optim.Optimizer, named_parameters) -> Dict[torch.nn.Parameter, str]:
@@ -72,7 +97,9 @@ def check_same_everywhere(comm: Comm, optimizer: torch.optim.Optimizer, names: D
     ``passes``: backward_passes_per_step; ``uid``: which osp optimizer of the process this is): compare
     signatures with one allgather, and raise the same error on every rank (never hang, never diverge)."""
     sig = {"sync": options, "bpps": passes, "uid": uid,
-           "params": [(gi, names[p], tuple(p.shape), str(p.dtype), p.requires_grad)
+           # the memory layout of what osp averages (element by element, in memory order)
+           "params": [(gi, names[p], tuple(p.shape), str(p.dtype), p.requires_grad,
+                       memory_layout(p) if p.requires_grad else None)
                       for gi, g in enumerate(optimizer.param_groups) for p in g["params"]]}
     sigs = comm.allgather_object(sig)
     for r, other in enumerate(sigs):
@@ -88,12 +115,26 @@ def check_same_everywhere(comm: Comm, optimizer: torch.optim.Optimizer, names: D
                 "optimizers in the same order, as their collectives are matched by name")
         a, b = sigs[0]["params"], other["params"]
         for x, y in zip(a, b):
+            if x[:5] == y[:5] and x != y:
+                raise ValueError(
+                    f"osp: ranks disagree on the memory layout of parameter {x[1]!r} (group {x[0]}): rank 0 has "
+                    f"{_layout_name(x[5])}, rank {r} has {_layout_name(y[5])}; expected the same on every rank, as "
+                    "osp averages each parameter's elements in memory order. Convert the model alike on every "
+                    "rank (e.g. model.to(memory_format=torch.channels_last) on all or none) before wrapping")
             if x != y:
                 raise ValueError(f"osp: ranks disagree on the parameters: rank 0 has {x[1]!r} "
                                  f"shape {list(x[2])} {x[3]}, rank {r} has {y[1]!r} shape "
                                  f"{list(y[2])} {y[3]} (group {x[0]})")
         raise ValueError(f"osp: ranks disagree on the parameters: rank 0 has {len(a)} "
                          f"parameters, rank {r} has {len(b)}")
+
+
+def _layout_name(layout) -> str:
+    if layout is None:
+        return "row-major (contiguous) memory"
+    if layout == "overlapping":
+        return "elements that share memory"
+    return f"strides {['-' if st is None else st for st in layout]}"
 
 
 def flat_groups(optimizer: torch.optim.Optimizer, names: Dict, block_size, comm: Comm

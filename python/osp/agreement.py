@@ -22,9 +22,11 @@ chose different blocks (e.g. GPUs of different generations contracting FMAs diff
 
 Every per-step record (one with presence flags) also counts the ranks that have joined (``opt.join()``:
 out of data, they shadow the others' steps with no gradient); ``result()`` leaves the count in
-``ctx.joined_ranks``, read alike on every rank at the same step. And it carries, per rank, the rank's
-arrival (``arrival_ms``: from the end of its previous step to the post), which ``result()`` hands to
-``ctx.arrivals`` (``osp.arrivals``: which rank holds the job back).
+``ctx.joined_ranks``, and, for the first record that counts every rank, how many steps after its own step
+it was read in ``ctx.joined_age`` (DSync reads a record ``delay`` steps late, and with ``"auto"`` each rank
+at its own delay: ``join()`` leaves ``Mode.record_lag`` steps after that record's step on every rank). And
+it carries, per rank, the rank's arrival (``arrival_ms``: from the end of its previous step to the post),
+which ``result()`` hands to ``ctx.arrivals`` (``osp.arrivals``: which rank holds the job back).
 """
 from __future__ import annotations
 
@@ -190,10 +192,11 @@ class Agreement:
         return self._absent_index[1]
 
     def result(self, what: str = "allreduce", step: Optional[int] = None,
-               extra: Sequence[torch.Tensor] = ()) -> Agreed:
+               extra: Sequence[torch.Tensor] = (), age: int = 0) -> Agreed:
         """Wait for the sum (``what`` names it in a timeout) and read it on the host, with the device
         scalars ``extra`` (in ``Agreed.extra``) in the same read. Raises ``RuntimeError`` on every rank
-        when the ranks chose different critical blocks (at ``step``)."""
+        when the ranks chose different critical blocks (at ``step``). ``age``: how many steps ago the
+        record was posted (DSync reads a step's record ``delay`` steps later)."""
         self.comm.wait(self.handle, self.ctx.timeout, what)
         both = self._both
         if extra:
@@ -213,6 +216,10 @@ class Agreement:
                         "that all ranks run the same osp, torch and hardware kind")
         if self._presence:
             self.ctx.joined_ranks = int(round(out.total("joined")))
+            # the first record that counts every rank: every rank reads the same one (records are read in the
+            # order of their steps), though maybe at another step; join() leaves at a step fixed from its own
+            if self.ctx.joined and self.ctx.joined_age is None and self.ctx.joined_ranks >= self.size:
+                self.ctx.joined_age = age
         # while a rank has joined (out of data) it computes nothing: no arrivals to compare
         if self._arrival and self.ctx.arrivals is not None and not self.ctx.joined_ranks:
             self.ctx.arrivals.record(out.per_rank("arrival_ms"))

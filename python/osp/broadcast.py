@@ -7,6 +7,7 @@ from collections import defaultdict
 import torch
 
 from .comm import get_comm
+from .modes.hsp import in_extra_micro_batch
 from .optimizer import DistributedOptimizer
 
 
@@ -25,11 +26,14 @@ def broadcast_buffers(module: torch.nn.Module, root_rank: int = 0, backend="auto
     travel in one broadcast per dtype and device (DDP coalesces them too); a blocking collective at every
     forward, which DDP pays as well. Call it on every rank, once; returns the hook's handle
     (``handle.remove()`` stops it). Evaluation forwards leave the buffers alone, as DDP's do: call
-    ``osp.sync_buffers(module)`` before evaluating to start it from root's."""
+    ``osp.sync_buffers(module)`` before evaluating to start it from root's. The forwards of HSP's extra
+    micro-batches (``opt.step(closure)``) run on one rank alone: they broadcast nothing (the next regular
+    forward makes the buffers root's again)."""
     comm = get_comm(backend)
 
     def pre_forward(mod, args):
-        if mod.training and torch.is_grad_enabled():
+        # a collective only where every rank issues it: not in an extra micro-batch, which meets the others' step
+        if mod.training and torch.is_grad_enabled() and not in_extra_micro_batch():
             _broadcast_coalesced(comm, [b for _, b in mod.named_buffers()], root_rank, "osp.bcast_buffers")
 
     return module.register_forward_pre_hook(pre_forward)

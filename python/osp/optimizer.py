@@ -23,7 +23,7 @@ from typing import Callable, List, Optional
 
 import torch
 
-from . import amp, keywords, parameters, teardown
+from . import amp, keywords, parameters, replicas, teardown
 from . import compression as compression_
 from .accumulation import Accumulation
 from .arrivals import Arrivals
@@ -31,6 +31,7 @@ from .comm import Comm, get_comm
 from .correction import unhooked_step
 from .modes.base import Clip, Context, Mode, StepInput
 from .modes.osp import OSP
+from .replicas import ReplicaCheck
 from .steplog import StepLog
 
 # optimizers built in this process, per set of ranks (``Comm.ranks_key``): names their collectives apart
@@ -59,6 +60,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         compression, op, gradient_predivide_factor, groups, sparse_as_dense, process_set:
             ``hvd.DistributedOptimizer``'s keywords with Horovod's meaning (``osp.keywords``; README,
             "Coming from Horovod").
+        broadcast_parameters: send rank 0's parameters to every rank here, as DDP's constructor does
+            (default False: call ``osp.broadcast_parameters`` yourself, as with Horovod).
+        check_replicas: compare a digest of every rank's parameters and optimizer state at the first
+            step, in every ``flush()`` and every this many steps (``osp.replicas``): ranks that start
+            from different weights, or drift apart, raise the same RuntimeError on every rank naming the
+            first parameter that differs. 0: never.
 
     The wrapper is an instance of the wrapped optimizer's class too (``isinstance(opt, torch.optim.SGD)``),
     as Horovod's is: its class is ``Distributed<Name>``, a subclass of this class and of the optimizer's,
@@ -84,7 +91,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  backend="auto", backward_passes_per_step: int = 1, timeout: float = 600.0,
                  on_synced: Optional[Callable[["DistributedOptimizer"], None]] = None,
                  compression=None, op="average", gradient_predivide_factor: float = 1.0, groups=None,
-                 sparse_as_dense: bool = False, process_set=None):
+                 sparse_as_dense: bool = False, process_set=None, broadcast_parameters: bool = False,
+                 check_replicas: int = 1000):
         # Composition, not Optimizer.__init__: the wrapped optimizer owns param_groups and state.
         if isinstance(optimizer, DistributedOptimizer):
             raise TypeError("osp: the optimizer is already a DistributedOptimizer")
@@ -96,6 +104,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         keywords.check_groups(groups, optimizer)
         if not isinstance(sparse_as_dense, bool):
             raise ValueError(f"osp: sparse_as_dense must be True or False, got {sparse_as_dense!r}")
+        if not isinstance(broadcast_parameters, bool):
+            raise ValueError(f"osp: broadcast_parameters must be True or False, got {broadcast_parameters!r}")
+        check_every = replicas.check_every(check_replicas)
         names = parameters.names(optimizer, named_parameters)
         # Horovod's optimizer has these attributes, and code written for it reads them
         self.op, self.gradient_predivide_factor, self.sparse_as_dense = op, gradient_predivide_factor, sparse_as_dense
@@ -134,6 +145,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for wire in {self._ctx.wire(fg) for fg in self.groups} - {None}:  # refused here, not at a step
             self.comm.check_dtype(wire, f"the wire of compression={compressor!r}")
         self.mode: Mode = sync.build(self._ctx)
+        self._replicas = ReplicaCheck(self._ctx, check_every)
+        self._synced_calls = 0  # on_synced points so far (flush() makes one where the mode did not)
+        if broadcast_parameters and not self.comm.elastic:  # under Horovod Elastic, State's sync() does it
+            for k, fg in enumerate(self.groups):
+                self.comm.broadcast_(fg.param, 0, f"{self._ctx.prefix}.init.{k}")
         if reduction.predivide != 1.0 and sync.name != "bsp":
             raise ValueError(
                 f"osp: gradient_predivide_factor is for osp.BSP(), whose average is one allreduce of the "
@@ -205,6 +221,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self._ctx.nbytes
 
     def _synced_now(self) -> None:
+        self._synced_calls += 1
+        self._replicas.run_if_due()
         if self.on_synced is not None:
             self.on_synced(self)
 
@@ -232,6 +250,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         t0 = time.perf_counter()
         inp = StepInput(compute_s=(t0 - self._t_end) if self._t_end is not None else 0.0,
                         clip=self._acc.clip, passes=self.backward_passes_per_step, closure=closure)
+        self._replicas.begin_step()
+        if self.mode.exact and not self.mode.synced_in_step:  # else at the mode's on_synced point
+            self._replicas.run_if_due()
         average = self.mode.grad_is_average
         scaler = amp.prepare(self, average, inp)
         if not average:
@@ -374,6 +395,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         Returns on every rank at the same step, once the last rank has joined, after ``flush()``, with the
         parameters and optimizer state of the rank that joined last (as DDP's join does: a learning-rate
         scheduler the joined ranks did not step while they waited must not leave their replicas apart).
+        With a ``torch.amp.GradScaler`` (the one whose ``step()`` last stepped this optimizer), the shadow
+        steps go through ``scaler.step(opt)`` and ``scaler.update()`` as the others' steps do, and every rank's
+        scaler ends with the last joiner's state: the loss scales stay equal.
 
         Meanwhile the ranks still training may call ``step()`` (and what leads to it) only: a collective
         of their own (``flush()``, ``state_dict()`` of a mode with work in flight, a metric's allreduce)
@@ -383,31 +407,49 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise RuntimeError("osp: join() after a backward pass whose step() has not run: call step() first, "
                                "then join()")
         ctx = self._ctx
-        ctx.joined, ctx.joined_ranks = True, 0  # a count left from an earlier join() must not end this one
+        # a count left from an earlier join() must not end this one
+        ctx.joined, ctx.joined_ranks, ctx.joined_age = True, 0, None
+        # every rank leaves at the step ``record_lag`` after the one whose record first counted every rank as
+        # joined: DSync reads that record steps later (with delay="auto" each rank at its own delay)
+        lag, left = self.mode.record_lag, None
+        # a GradScaler: the shadow steps go through it as the others' steps do (its scale moves with theirs)
+        scaler = amp.join_scaler(self)
         shadowed = 0
         try:
             while True:
                 self.zero_grad(set_to_none=True)
                 self._acc.shadow_pass()
-                self.step()
+                amp.shadow_step(self, scaler)
                 shadowed += 1
-                if ctx.joined_ranks >= self.comm.size or ctx.device.type == "meta":
+                if ctx.device.type == "meta":
                     break
-            self.flush()
+                if left is None and ctx.joined_age is not None:
+                    left = lag - ctx.joined_age
+                    if left < 0:
+                        raise RuntimeError(f"osp: join(): a record was read {ctx.joined_age} steps after its step, "
+                                           f"beyond the mode's {lag} (a bug in osp)")
+                if left is not None:
+                    if left == 0:
+                        break
+                    left -= 1
+            self.flush()  # (its replica check compares nothing: ranks are joined; the end of join() checks)
         finally:
             ctx.joined = False
             self.zero_grad(set_to_none=True)
         if self.comm.size > 1:
-            # every rank is here, at the same step. The rank that joined last (fewest shadow steps) sends its
-            # parameters and state, as DDP's join hook does: a joined rank's learning rate stood still while a
-            # scheduler moved the others' (equal values otherwise: then this changes nothing)
+            # the rank that joined last (fewest shadow steps) sends its parameters and state, as DDP's join hook
+            # does: a joined rank's learning rate stood still while a scheduler moved the others' (equal values
+            # otherwise: then this changes nothing); and its GradScaler's state, which every scaler takes
             from .broadcast import broadcast_optimizer_state
 
-            counts = self.comm.allgather_object(shadowed)
+            gathered = self.comm.allgather_object((shadowed, amp.join_states(self)))
+            counts = [c for c, _ in gathered]
             root = counts.index(min(counts))
             for k, fg in enumerate(self.groups):
                 self.comm.broadcast_(fg.param, root, f"{ctx.prefix}.join.{k}")
             broadcast_optimizer_state(self, root)
+            amp.adopt_join_state(self, [st for _, st in gathered], root)
+            self._replicas.check("the end of join()")  # every rank took the last joiner's parameters and state
 
     @property
     def in_flight(self) -> bool:
@@ -418,7 +460,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def flush(self) -> None:
         """Finish all in-flight work and apply the exact updates: call on every rank before
         evaluating, checkpointing or stopping. Afterwards replicas are bitwise equal."""
+        self._replicas.due = "flush()" if self._replicas.every else None
+        calls = self._synced_calls
         skipped = self.mode.flush() or 0
+        if self._synced_calls == calls and self.mode.exact:  # BSP, HSP: exact without a correction to land
+            self._synced_now()
         if skipped:
             self._log.skipped += skipped
             self._warn_skipped()
@@ -435,6 +481,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         figures."""
         out = self._log.stats(self.sync.name)
         out["arrivals"] = self._ctx.arrivals.stats()
+        out["replica_checks"] = self._replicas.checks
         out.update(self.mode.stats())
         return out
 
@@ -451,6 +498,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.mode = self.sync.build(self._ctx)
         self.mode.load_state_dict(kept)  # and takes over the optimizer's state (flat buffers)
         self._acc.reset(self.mode)
+        self._replicas = ReplicaCheck(self._ctx, self._replicas.every)  # the next step is the first in this world
         self._t_end = self._ctx.t_end = None
         self._ctx.arrivals = Arrivals(self.comm.rank)
 

@@ -91,6 +91,10 @@ class Context:
     joined: bool = False
     #: how many ranks had joined, as the last per-step record read said (``agreement.Agreement``)
     joined_ranks: int = 0
+    #: during ``join()``: how many steps before the step that read it the first record counting every rank
+    #: as joined was posted (None: none read yet). Every rank leaves ``join()`` ``Mode.record_lag`` steps
+    #: after that record's step, whatever step read it here
+    joined_age: Optional[int] = None
     #: what the gradients travel as (``osp.compression``; the per-step records always go as float32)
     compression: Compressor = Compression.none
     #: when this rank's previous step returned (``time.perf_counter()``; None before the first): the
@@ -196,6 +200,11 @@ class Mode(abc.ABC):
     #: buckets wait for the end of the step's backward (its average lands steps later: an early start
     #: buys little), HSP has none.
     ready_unreached_early = False
+    #: the most steps after its own step that a per-step record (with the joined count) is read, the same
+    #: on every rank: 0 where a step reads its own record (BSP, OSP, HSP with BSP); DSync's delay
+    #: (``max_delay`` with ``"auto"``, where each rank reads at its own delay)
+    record_lag = 0
+
     def on_ready(self, p: torch.Tensor) -> None:
         """``p``'s gradient had its last backward pass of the step."""
         return None
@@ -225,6 +234,16 @@ class Mode(abc.ABC):
     def in_flight(self) -> bool:
         """Whether collectives or corrections are pending (then gradients and state are not final)."""
         return False
+
+    #: the step calls ``ctx.on_synced()`` itself where replicas are exact before it applies anything (HSP: once
+    #: every rank is ready), so nothing at the step's start must wait for the other ranks
+    synced_in_step: bool = False
+
+    @property
+    def exact(self) -> bool:
+        """Whether the parameters and optimizer state are exact now, between steps (no provisional update
+        waits for its correction): then they are bitwise equal on every rank (``osp.replicas`` checks here)."""
+        return not self.in_flight
 
     def state_dict(self) -> dict:
         return {}
@@ -257,12 +276,19 @@ def warn_grad_edits(mode: Mode, edited: List[str]) -> None:
 
 
 def edited_error(mode: str) -> RuntimeError:
-    """Parameters were changed between steps while ``mode``'s exact updates were pending."""
+    """Parameters were changed between steps while ``mode``'s exact updates were pending: by the user's code
+    between steps, or inside the forward (``nn.Embedding(max_norm=...)``), where no flush() can run."""
     return RuntimeError(
         "osp: parameters were changed between steps (in place, e.g. a weight clamp, a projection or "
-        f"model.load_state_dict) while {mode}'s exact updates of earlier steps were pending; they would "
-        "overwrite the change. Call opt.flush() on every rank before changing parameters (then the change "
-        "is kept exactly), or use osp.BSP()")
+        f"model.load_state_dict, or inside the forward) while {mode}'s exact updates of earlier steps were "
+        "pending; they would overwrite the change. Between steps: call opt.flush() on every rank before "
+        "changing parameters (then the change is kept exactly), or use osp.BSP(). Inside the forward, where "
+        "flush() cannot run: an in-forward in-place edit (nn.Embedding(max_norm=...) renormalizes the rows it "
+        "looks up, in place, in every forward) acts on provisional weights and cannot be corrected exactly "
+        "under osp.OSP() or osp.DSync(). Use osp.BSP() or osp.HSP() (there, as under DDP, each rank renormalizes "
+        "the rows its own batch looks up), or drop max_norm and renormalize after opt.flush() (or at BSP steps), "
+        "the same rows on every rank: with torch.no_grad(): torch.embedding_renorm_(emb.weight, ids, max_norm, "
+        "2.0)")
 
 
 def check_int(owner: str, name: str, value, lo: int, hi: Optional[int] = None) -> int:

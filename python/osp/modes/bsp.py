@@ -55,6 +55,10 @@ class BSPMode(Mode):
     def in_flight(self):
         return self.buckets.in_flight and self._synced is None
 
+    @property
+    def exact(self):
+        return True  # what is in flight is this step's gradients: the parameters are the last exact update
+
     @traced("osp.bsp.allreduce")
     def synchronize(self) -> None:
         """Finish averaging (the buckets not started yet count missing gradients as zeros) and learn

@@ -131,6 +131,11 @@ class DSyncMode(Mode):
     def in_flight(self):
         return bool(self._inflight)
 
+    @property
+    def record_lag(self):
+        # step t's record is read at step t + delay; with "auto" each rank has its own delay, at most max_delay
+        return self.options.max_delay if self.options.delay == "auto" else self.options.delay
+
     # -- the step -------------------------------------------------------------------------------
     def step(self, inp: StepInput):
         ctx = self.ctx
@@ -227,7 +232,7 @@ class DSyncMode(Mode):
                                             for fg, lo, hi, _ in self.buckets.buckets[:s.scaled]])
             # the record, whether the average is finite (and ``extra``): one read
             extras = [ctx.nonfinite(avgs)] + ([extra] if extra is not None and extra_value is None else [])
-            total = self._agree[s.slot].result("delayed gradient allreduce", extra=extras)
+            total = self._agree[s.slot].result("delayed gradient allreduce", extra=extras, age=self.t - s.index)
             if len(total.extra) > 1:
                 extra_value = total.extra[1]
             if total.any("grads_edited"):

@@ -24,7 +24,9 @@ HSP is its ``sync`` alone.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
+from contextlib import contextmanager
 from typing import Optional
 
 import torch
@@ -37,6 +39,24 @@ from .base import Context, Mode, Options, StepInput, check_int, warn_grad_edits
 from .bsp import BSP
 from .dsync import DSync
 from .osp import OSP
+
+_EXTRA = threading.local()  # .depth: HSP extra micro-batches running in this thread
+
+
+def in_extra_micro_batch() -> bool:
+    """Whether an HSP extra micro-batch (``step(closure)``'s ``closure()``) is running in this thread. It runs
+    on this rank alone (the others wait, or run a different number of extras): a forward hook must not issue
+    a collective there (``osp.broadcast_buffers`` skips it), or it would meet another rank's step."""
+    return getattr(_EXTRA, "depth", 0) > 0
+
+
+@contextmanager
+def _extra_micro_batch():
+    _EXTRA.depth = getattr(_EXTRA, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _EXTRA.depth -= 1
 
 
 class HSP(Options):
@@ -76,6 +96,7 @@ class HSP(Options):
 
 class HSPMode(Mode):
     accepts_closure = True
+    synced_in_step = True
 
     def __init__(self, options: HSP, ctx: Context):
         super().__init__(options, ctx)
@@ -104,6 +125,14 @@ class HSPMode(Mode):
     @property
     def in_flight(self):
         return self.inner is not None and self.inner.in_flight
+
+    @property
+    def record_lag(self):
+        return self.inner.record_lag if self.inner is not None else 0
+
+    @property
+    def exact(self):
+        return self.inner is None or self.inner.exact
 
     def flush(self):
         return self.inner.flush() if self.inner is not None else 0
@@ -144,6 +173,8 @@ class HSPMode(Mode):
                 extras += 1
         with span("osp.hsp.wait"):
             comm.wait(ready, ctx.timeout, "HSP ready")
+        if self.exact:  # every rank has arrived, nothing of this step is applied: replicas equal (a check here
+            ctx.on_synced()  # makes no fast rank wait at the step's start, where it would run extras)
         meta = dict(passes=passes, failed=failure is not None, arrival_ms=arrival * 1e3)
         if self.inner is None:
             rec, agreed, t1, t2 = self._sum_step(inp, meta)
@@ -251,7 +282,7 @@ class HSPMode(Mode):
         a GPU it returns once the device ran it (polling a CUDA event), so that the next decision and the
         micro-batch's time are the device's: otherwise the host would queue ``max_extra`` extras at once,
         whatever the others do."""
-        with self.ctx.extra_passes() as passes, torch.enable_grad():
+        with self.ctx.extra_passes() as passes, torch.enable_grad(), _extra_micro_batch():
             loss = closure()
         if self._cuda:
             timing.wait_here(self.ctx.device)

@@ -170,6 +170,10 @@ class OSPMode(Mode):
         return bool(self._pending) or (self._bsp is not None and self._bsp.in_flight)
 
     @property
+    def exact(self):
+        return not self._pending
+
+    @property
     def grad_is_average(self):
         return self._bsp is not None
 

@@ -8,7 +8,7 @@ CUDA_SRCS := $(wildcard csrc/cuda/*.cu)
 CUDA_CPP_SRCS := $(wildcard csrc/cuda/*.cpp)
 PYTEST_ARGS ?=
 
-.PHONY: install test test-only lint cuda-check gpu-check bench-kernels bench-accuracy bench-stragglers bench-stragglers-net bench-lightning bench-faults bench-plan bench-tta bench-compression demo bench stress-exit mutation conformance-random clean
+.PHONY: install test test-only lint cuda-check gpu-check bench-kernels bench-accuracy bench-stragglers bench-stragglers-net bench-lightning bench-faults bench-plan bench-tta bench-compression demo bench stress-exit mutation conformance-random conformance-features clean
 
 install:
 	@bash scripts/install.sh
@@ -33,6 +33,12 @@ conformance-random: install
 
 # Mutation testing: small bugs planted one at a time in a copy of python/osp (tests/mutation.py), each against the
 # fast tests chosen for it; fails under 95% killed (about 15 minutes; MUTATION_ARGS="--only ID" for one, "--list").
+# The feature axis in full (tests/features.py): every mode x every feature x every loop pattern, SGD with
+# momentum and AdamW, on the one-rank oracle (about 12000 cases, 10 minutes; `make test` runs the pairwise sample
+# and every mode x feature on the plain loop).
+conformance-features: install
+	OSP_FEATURE_SWEEP=1 $(PY) -m pytest -q tests/test_conformance.py -k test_one_rank_equals_torch_optim
+
 mutation: install
 	$(PY) tests/mutation.py $(MUTATION_ARGS)
 

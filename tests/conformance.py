@@ -26,9 +26,10 @@ import itertools
 import math
 import random
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
+import features as FE
 import torch
 
 import osp
@@ -187,10 +188,14 @@ class Net(torch.nn.Module):
         self.unused = torch.nn.Parameter(torch.randn(3))
         self.to(dtype)
 
-    def forward(self, x, branch=True):
+    def forward(self, x, branch=True, tied=False):
+        if hasattr(self, "emb"):  # conformance.Pattern(prepare=_embedding): rows picked by the input
+            x = x + self.emb((x[:, 0].float().abs() * 5).long() % self.emb.num_embeddings)
         h = torch.tanh(self.a(x))
         if branch:
             h = h + torch.tanh(self.branch(h))
+        if tied:  # the same parameter twice in one graph
+            h = h + torch.tanh(self.branch(torch.tanh(self.branch(h))))
         return self.b(h)
 
 
@@ -202,6 +207,8 @@ class Env:
         self.case, self.wrapped, self.steps = case, wrapped, steps
         self.backend, self.rank = backend, rank  # several ranks: each draws its own data
         self.record: Optional[Callable[["Env"], None]] = None  # called right before each step()
+        self.feature = FE.FEATURES[case.feature]
+        self.synced: List[torch.Tensor] = []  # the parameters at every on_synced call (feature "on-synced")
         self.dtype = DTYPES[case.dtype]
         self.pattern = PATTERNS[case.pattern]
         self.mode = MODES[case.mode]
@@ -211,17 +218,31 @@ class Env:
 
     def build(self) -> None:
         self.model = Net(self.dtype)
+        if self.pattern.prepare is not None:
+            self.pattern.prepare(self.model)
+        if self.wrapped and self.feature.apart and self.rank:  # every rank's own initial weights
+            with torch.no_grad():
+                for p in self.model.parameters():
+                    p.add_(0.01 * self.rank)
+        self.forward = self.model
         groups = self.pattern.groups(self.model)
         self.inner = OPTIMIZERS[self.case.optimizer](groups)
         if self.wrapped:
             self.opt = osp.DistributedOptimizer(self.inner, self.model.named_parameters(), sync=self.mode.make(),
                                                 backend=self.backend, backward_passes_per_step=self.bpps,
-                                                timeout=60, compression=self.case.compression)
+                                                timeout=60, compression=self.case.compression,
+                                                **self.feature.keywords(self))
             if self.mode.prepare is not None:
                 self.mode.prepare(self.opt)
         else:
             self.opt = self.inner
         self.sched = self.pattern.scheduler(self.opt) if self.pattern.scheduler else None
+        self.ema = None
+        if self.pattern.after_wrap is not None:
+            self.pattern.after_wrap(self)
+
+    def digest(self) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1).double() for p in self.model.parameters()])
 
     def data(self, t: int, micro: int = 0):
         g = torch.Generator().manual_seed(1000 * t + micro + 100003 * self.rank)
@@ -231,7 +252,7 @@ class Env:
 
     def loss(self, t: int, micro: int = 0, branch: bool = True, factor: float = 1.0):
         x, y = self.data(t, micro)
-        out = self.model(x, branch=branch).float()
+        out = self.forward(x, branch=branch, **self.pattern.forward).float()
         loss = ((out - y) ** 2).mean() * factor
         if self.pattern.use_unused:
             loss = loss + (self.model.unused.float() ** 2).sum() * 0.1
@@ -239,6 +260,10 @@ class Env:
 
     def backward(self, t: int, micro: int = 0, **kw) -> None:
         loss = self.loss(t, micro, **kw)
+        if self.pattern.penalty:  # a gradient-norm penalty through torch.autograd.grad (as WGAN-GP, R1, SAM do)
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            grads = torch.autograd.grad(loss, params, create_graph=True, allow_unused=True)
+            loss = loss + 0.1 * sum((g.float() ** 2).sum() for g in grads if g is not None)
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -291,6 +316,19 @@ class Env:
             self.opt.step()
         if self.sched is not None:
             self.sched.step()
+        if self.ema is not None:
+            self.ema.update_parameters(self.model)
+
+    def sync_clip(self, m: float) -> None:
+        """Horovod's idiom for clipping: the average finished, clipped by torch, then stepped as it is."""
+        if not self.wrapped:
+            self.clip_torch(m)
+            self.opt.step()
+            return
+        self.opt.synchronize()
+        self.clip_torch(m)
+        with self.opt.skip_synchronize():
+            self.opt.step()
 
     def flush(self) -> None:
         if self.wrapped:
@@ -312,7 +350,9 @@ class Env:
             self.scaler.load_state_dict(scaler_sd)
 
     def params(self) -> List[torch.Tensor]:
-        return [p.detach().clone() for p in self.model.parameters()]
+        """The parameters (and an EMA copy's, where the loop keeps one)."""
+        ps = list(self.model.parameters()) + (list(self.ema.parameters()) if self.ema is not None else [])
+        return [p.detach().clone() for p in ps]
 
     def state(self) -> List[Tuple[str, torch.Tensor]]:
         """The optimizer's state, per parameter in model order, as (name, tensor) pairs."""
@@ -342,6 +382,10 @@ class Pattern:
     skips_nonfinite: bool = False
     groups: Callable = _plain_groups
     scheduler: Optional[Callable] = None
+    forward: Dict[str, bool] = field(default_factory=dict)  # keywords of Net.forward (tied=True)
+    penalty: bool = False  # the loss gets a gradient-norm penalty through torch.autograd.grad
+    prepare: Optional[Callable] = None  # changes the model before its optimizer is built (a parametrization)
+    after_wrap: Optional[Callable] = None  # called with the Env once the optimizer is built (an EMA copy)
 
 
 def _plain(env, t):
@@ -547,6 +591,32 @@ def _overflow_one_rank(env, t):
     env.step(t)
 
 
+def _sync_clip(env, t):
+    env.zero_grad()
+    env.backward(t)
+    env.sync_clip(0.05)
+    if env.sched is not None:
+        env.sched.step()
+
+
+def _weight_norm(model):
+    torch.nn.utils.parametrizations.weight_norm(model.a)
+
+
+def _embedding(model):
+    torch.manual_seed(1)
+    model.emb = torch.nn.Embedding(11, 7, max_norm=1.0).to(model.a.weight.dtype)
+
+
+def _ema(env):
+    swa = torch.optim.swa_utils
+    env.ema = swa.AveragedModel(env.model, multi_avg_fn=swa.get_ema_multi_avg_fn(0.9))
+
+
+def _compiled(env):
+    env.forward = torch.compile(env.model, backend="eager")
+
+
 def _two_groups(model):
     return [{"params": [model.a.weight, model.branch.weight], "lr": 0.02},
             {"params": [model.a.bias, model.b.weight, model.b.bias, model.unused], "weight_decay": 0.01}]
@@ -598,6 +668,16 @@ PATTERNS: Dict[str, Pattern] = {p.name: p for p in [
     Pattern("edit-unflushed", _edit(False)),
     Pattern("edit-data-unflushed", _edit_data),
     Pattern("reset-world", _reset_world),
+    # loops users write (issue #48): Horovod's clipping idiom, a gradient penalty through torch.autograd.grad,
+    # a parameter used twice in one graph, a parametrization, an EMA copy, a compiled model, an embedding that
+    # renormalizes its rows inside forward
+    Pattern("synchronize-clip", _sync_clip),
+    Pattern("grad-penalty", _plain, penalty=True),
+    Pattern("tied-weights", _plain, forward={"tied": True}),
+    Pattern("weight-norm", _plain, prepare=_weight_norm),
+    Pattern("ema", _plain, after_wrap=_ema),
+    Pattern("compiled-eager", _plain, after_wrap=_compiled),
+    Pattern("max-norm-embedding", _plain, prepare=_embedding),
 ]}
 
 #: (mode family or name, pattern) -> the error osp raises by design, a regex of its message
@@ -610,10 +690,24 @@ for _m in ("dsync-1", "dsync-2", "dsync-3", "dsync-auto", "hsp-dsync"):
         REFUSED[(_m, _p)] = "gradients were changed in place or replaced between backward"
 for _p in [p for p in PATTERNS if p.startswith("scaler")]:
     REFUSED[("dsync-auto", _p)] = "cannot take a GradScaler"
+# nn.Embedding(max_norm=...) renormalizes rows inside forward: an in-place edit of provisional weights no exact
+# correction can replay (refused at the first step with a correction pending)
+for _m in ("osp-0.25", "osp-0.0", "osp-auto-trials", "osp-auto-deferring", "dsync-1", "dsync-2", "dsync-3",
+           "dsync-auto", "hsp-osp", "hsp-dsync"):
+    REFUSED[(_m, "max-norm-embedding")] = "in-forward in-place edit"
+#: (mode, pattern) -> a refusal that may come or not: OSP("auto") on one rank defers in its trials or not,
+#: depending on how loaded the machine is; either outcome must be correct
+MAY_REFUSE: Dict[Tuple[str, str], str] = {("osp-auto", "max-norm-embedding"): "in-forward in-place edit"}
+# Horovod's idiom (synchronize(), clip .grad, step() in skip_synchronize()) needs .grad to be the average
+for _m in [m for m in MODES if m not in ("bsp", "osp-1.0")]:
+    REFUSED[(_m, "synchronize-clip")] = r"synchronize\(\) is for osp.BSP\(\)"
 
 
-def refusal(mode: str, pattern: str) -> Optional[str]:
-    return REFUSED.get((mode, pattern))
+def refusal(mode: str, pattern: str, feature: str = "none") -> Optional[str]:
+    """The error ``mode`` raises by design on ``pattern`` with ``feature`` (a regex of its message), or None."""
+    wants = [w for w in (REFUSED.get((mode, pattern)), MAY_REFUSE.get((mode, pattern)), FE.refusal(mode, feature))
+             if w is not None]
+    return "|".join(f"(?:{w})" for w in wants) if wants else None
 
 
 # -- the oracle ---------------------------------------------------------------------------------------
@@ -627,11 +721,20 @@ class Case:
     #: what the gradients travel as (``osp.Compression``): the plain optimizer then steps on each gradient as
     #: one rank's compressed average gives it (cast to the wire and back), from the moment it is averaged
     compression: str = "none"
+    #: a value of the feature axis (``features.AXIS``: keywords of DistributedOptimizer, join() at the end)
+    feature: str = "none"
 
     @property
     def id(self) -> str:
         tail = "" if self.compression == "none" else f"|{self.compression}"
+        if self.feature != "none":
+            tail = f"|{self.compression}|{self.feature}"
         return f"{self.mode}|{self.pattern}|{self.optimizer}|{self.dtype}{tail}"
+
+    @staticmethod
+    def parse(cid: str) -> "Case":
+        parts = cid.split("|")
+        return Case(*parts) if len(parts) > 3 else Case(*parts, "fp32")
 
 
 @dataclass
@@ -656,6 +759,8 @@ def _trace(env: Env) -> Tuple[List[List[torch.Tensor]], Optional[BaseException],
             return out, e, t
         out.append(env.params())
     try:
+        if env.feature.end is not None:
+            env.feature.end(env)
         env.flush()
     except Exception as e:  # noqa: BLE001
         return out, e, env.steps
@@ -720,6 +825,8 @@ def run_case(case: Case) -> Outcome:
         bitwise &= eq
         if not close:
             return Outcome("differs", f"after flush, {k}: {a.flatten()[:4].tolist()} != {b.flatten()[:4].tolist()}")
+    if case.feature == "on-synced" and (not env.synced or not torch.equal(env.synced[-1], env.digest())):
+        return Outcome("differs", f"on_synced: {len(env.synced)} calls, the last not at flush()'s parameters")
     if case.pattern.startswith("scaler") and ref_env.scaler.get_scale() != env.scaler.get_scale():
         return Outcome("differs", f"loss scale {env.scaler.get_scale()} != {ref_env.scaler.get_scale()}")
     return Outcome("bitwise" if bitwise else "ulp")
@@ -730,8 +837,9 @@ def verdict(case: Case, out: Outcome) -> Optional[str]:
     REFUSED table promises that did not come (unless torch itself refused or went non-finite first)."""
     if not out.ok:
         return f"{case.id}: {out.kind}: {out.detail}"
-    want = refusal(case.mode, case.pattern)
-    if want is not None and out.kind not in ("refused", "torch-refuses", "torch-nonfinite"):
+    want = refusal(case.mode, case.pattern, case.feature)
+    optional = (case.mode, case.pattern) in MAY_REFUSE and FE.refusal(case.mode, case.feature) is None
+    if want is not None and not optional and out.kind not in ("refused", "torch-refuses", "torch-nonfinite"):
         return f"{case.id}: expected a refusal ({want!r}), got {out.kind}"
     return None
 
@@ -751,7 +859,7 @@ def _refused_or_error(case: Case, err: BaseException, ref_err, at: int) -> Outco
     import re
     if ref_err is not None:
         return Outcome("torch-refuses", f"torch: {ref_err!r}; osp: {err!r}")
-    want = refusal(case.mode, case.pattern)
+    want = refusal(case.mode, case.pattern, case.feature)
     if want is not None and re.search(want, str(err)):
         return Outcome("refused", f"at step {at}: {str(err)[:120]}")
     return Outcome("error", f"at step {at}: {type(err).__name__}: {err}")
@@ -780,8 +888,20 @@ def pairwise(tables: List[List[str]], seed: int = 0) -> List[Tuple[str, ...]]:
 
 
 def pairwise_cases() -> List[Case]:
-    rows = pairwise([sorted(MODES), sorted(PATTERNS), sorted(OPTIMIZERS), sorted(DTYPES)])
-    return [Case(*r) for r in rows]
+    """Every pair of values of the five tables: modes, patterns, optimizers, dtypes and features."""
+    rows = pairwise([sorted(MODES), sorted(PATTERNS), sorted(OPTIMIZERS), sorted(DTYPES), FE.AXIS])
+    return [Case(m, p, o, d, "none", f) for m, p, o, d, f in rows]
+
+
+def mode_feature_cases(patterns=("plain",), optimizers=("sgd-momentum", "adamw")) -> List[Case]:
+    """Every mode with every feature (``features.AXIS``) on ``patterns``, for the optimizers with fused kernels."""
+    return [Case(m, p, o, "fp32", "none", f) for m in MODES for f in FE.AXIS if f != "none" for p in patterns
+            for o in optimizers]
+
+
+def feature_sweep_cases() -> List[Case]:
+    """The full product of modes, features and patterns for two optimizers (``make conformance-features``)."""
+    return mode_feature_cases(patterns=tuple(sorted(PATTERNS)))
 
 
 def mode_pattern_cases(optimizers=("sgd-momentum", "adamw")) -> List[Case]:

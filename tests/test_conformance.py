@@ -6,11 +6,16 @@ optimizers with fused kernels, every mode with every optimizer on the loops that
 corrections, and a pairwise-covering sample of all four tables (every pair of values of mode, pattern,
 optimizer and dtype at least once). ``python tests/conformance_report.py`` prints the counts by class.
 """
+import os
+
 import conformance as C
 import pytest
 
 CASES = sorted(set(C.mode_pattern_cases()) | set(C.mode_optimizer_cases()) | set(C.pairwise_cases())
-               | set(C.compression_cases()), key=lambda c: c.id)
+               | set(C.compression_cases()) | set(C.mode_feature_cases())
+               # make conformance-features: every mode x feature x pattern (two optimizers), about 10 minutes
+               | (set(C.feature_sweep_cases()) if os.environ.get("OSP_FEATURE_SWEEP") == "1" else set()),
+               key=lambda c: c.id)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
@@ -21,10 +26,10 @@ def test_one_rank_equals_torch_optim(one_rank, case):
 
 def test_pairwise_covers_every_pair():
     """The generator's promise, checked: every pair of values of two tables is in some row."""
-    tables = [sorted(C.MODES), sorted(C.PATTERNS), sorted(C.OPTIMIZERS), sorted(C.DTYPES)]
-    rows = C.pairwise(tables)
-    for i in range(4):
-        for j in range(i + 1, 4):
+    tables = [sorted(C.MODES), sorted(C.PATTERNS), sorted(C.OPTIMIZERS), sorted(C.DTYPES), C.FE.AXIS]
+    rows = [(c.mode, c.pattern, c.optimizer, c.dtype, c.feature) for c in C.pairwise_cases()]
+    for i in range(5):
+        for j in range(i + 1, 5):
             seen = {(r[i], r[j]) for r in rows}
             assert len(seen) == len(tables[i]) * len(tables[j])
 
@@ -69,6 +74,6 @@ ITEMS = {
 
 @pytest.mark.parametrize("item,case", [(k, c) for k, cs in ITEMS.items() for c in cs], ids=lambda v: v)
 def test_issue_item(one_rank, item, case):
-    c = C.Case(*case.split("|")) if case.count("|") == 3 else C.Case(*case.split("|"), "fp32")
+    c = C.Case.parse(case)
     wrong = C.verdict(c, C.run_case(c))
     assert wrong is None, wrong

@@ -8,7 +8,8 @@ and 4-9 steps, each a random combination of: freezing or unfreezing a parameter,
 None, zeros, or none at all), 1..k backward passes (the branch on or off per pass; under a GradScaler an
 occasional loss of inf, an overflow), an in-place ``p.grad.mul_``, a clip (``opt.clip_grad_norm_``; torch's
 on the plain side, after ``scaler.unscale_``), the step, a scheduler step, ``flush()``, a parameter edit
-after ``flush()`` and a ``state_dict`` round trip. Both sides run the same generated body: it is a
+after ``flush()`` and a ``state_dict`` round trip; and a value of the feature axis (tests/features.py: a keyword of
+``DistributedOptimizer``, or ``join()`` at the end). Both sides run the same generated body: it is a
 ``Pattern`` of conformance's, registered for the test in a copy of ``PATTERNS``, and ``run_case`` compares.
 Kept out, each for a reason given where it is generated: no zero_grad at all under a GradScaler, an overflow
 in the last d steps of DSync(delay=d), and overflows with torch's fused optimizers.
@@ -96,6 +97,7 @@ class Loop:
     scheduler: bool
     two_groups: bool
     steps: Tuple[Step, ...]
+    feature: str = "none"  # a value of the feature axis (tests/features.py): keywords, join() at the end
 
     @property
     def pattern(self) -> str:
@@ -109,13 +111,13 @@ class Loop:
         uses += ["clip-opt"] * any(s.clip for s in self.steps)
         uses += ["scaler"] * self.scaler
         uses += ["edit-after-flush"] * any(s.edit for s in self.steps)
-        wants = sorted({w for p in uses if (w := C.refusal(self.mode, p)) is not None})
+        wants = sorted({w for p in uses if (w := C.refusal(self.mode, p, self.feature)) is not None})
         return "|".join(f"(?:{w})" for w in wants) or None
 
     def __repr__(self) -> str:
         head = (f"Loop({self.mode} | {self.optimizer} | {self.dtype} | bpps={self.bpps}"
                 + " | scaler" * self.scaler + " | StepLR" * self.scheduler + " | two groups" * self.two_groups
-                + f" | {len(self.steps)} steps)")
+                + (f" | {self.feature}" if self.feature != "none" else "") + f" | {len(self.steps)} steps)")
         return "\n".join([head] + [f"  {t}: {s!r}" for t, s in enumerate(self.steps)])
 
     _repr_pretty_ = Pass._repr_pretty_
@@ -162,7 +164,8 @@ def loops(draw) -> Loop:
     # compare with: no overflows with them (the fixed tables overflow there after every state exists)
     overflows = scaler and "fused" not in optimizer
     steps = tuple(draw(steps_(bpps, scaler, overflows and t < n - late, scheduler)) for t in range(n))
-    return Loop(mode, optimizer, dtype, bpps, scaler, scheduler, two_groups, steps)
+    feature = draw(st.sampled_from(["none"] + [f for f in C.FE.AXIS if f != "none"]))  # shrinks to none
+    return Loop(mode, optimizer, dtype, bpps, scaler, scheduler, two_groups, steps, feature)
 
 
 # -- running it through conformance's oracle ---------------------------------------------------------
@@ -240,7 +243,7 @@ def check(loop: Loop, mp: pytest.MonkeyPatch) -> C.Outcome:
         refused[(loop.mode, loop.pattern)] = loop.refusal()
     mp.setattr(C, "REFUSED", refused)
     with _one_rank():
-        return C.run_case(C.Case(loop.mode, loop.pattern, loop.optimizer, loop.dtype))
+        return C.run_case(C.Case(loop.mode, loop.pattern, loop.optimizer, loop.dtype, "none", loop.feature))
 
 
 def _seeded(f):

@@ -83,7 +83,8 @@ def test_broadcast_state():
     """Horovod's test_broadcast_state: a step, root's model and state noted; root saves a checkpoint, every
     rank builds a new model and optimizer, root loads the checkpoint, and broadcast_parameters plus
     broadcast_optimizer_state give every rank root's model and state (the ranks without state have it
-    made by hvd.broadcast_optimizer_state's zero-gradient step). Departs: settle() after the step."""
+    made by hvd.broadcast_optimizer_state's zero-gradient step). Departs: settle() after the step, and
+check_replicas=0: the ranks' first step runs on replicas that differ on purpose (osp refuses that by default)."""
     import io
 
     x, y = data(rank)
@@ -91,7 +92,8 @@ def test_broadcast_state():
         for k, kwargs in enumerate(OPTIONS):
             name = f"broadcast_state/{cls.__name__}/{k}"
             model = mlp()
-            opt = wrap(build(cls, kwargs, model.parameters()), model.named_parameters())
+            # each rank steps its own random init before the broadcast under test: replicas apart on purpose
+            opt = wrap(build(cls, kwargs, model.parameters()), model.named_parameters(), check_replicas=0)
             check(name + "/isinstance", isinstance(opt, cls), type(opt).__mro__)
             opt.zero_grad()
             F.mse_loss(model(x), y, reduction="sum").backward()
@@ -141,7 +143,8 @@ def test_broadcast_state():
 def test_broadcast_state_options():
     """Horovod's test_broadcast_state_options: each rank builds its optimizer with other hyper-parameters;
     after a step, broadcast_optimizer_state gives every rank root's, with their Python types, and a
-    second step runs on them. Departs: settle() after each step."""
+    second step runs on them. Departs: settle() after each step, and check_replicas=0 (the first step makes the
+    replicas differ on purpose, which osp refuses by default)."""
     p0 = dict(lr=0.1, momentum=0.8, weight_decay=0.2, nesterov=True, betas=(0.9, 0.999), etas=(0.8, 2.4),
               step_sizes=(1e-5, 100))
     p1 = dict(lr=0.2, momentum=0.9, weight_decay=0.1, nesterov=False, betas=(0.8, 0.9), etas=(0.25, 1.75),
@@ -151,7 +154,8 @@ def test_broadcast_state_options():
         name = f"broadcast_state_options/{cls.__name__}"
         model = mlp()
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        opt = wrap(build(cls, p0 if rank == 0 else p1, model.parameters()), model.named_parameters())
+        # each rank's own hyper-parameters step the replicas apart on purpose, before the broadcast under test
+        opt = wrap(build(cls, p0 if rank == 0 else p1, model.parameters()), model.named_parameters(), check_replicas=0)
         opt.zero_grad()
         F.mse_loss(model(x), y, reduction="sum").backward()
         opt.step()

@@ -32,7 +32,7 @@ conformance-random: install
 	OSP_HYPOTHESIS_EXAMPLES=$${OSP_HYPOTHESIS_EXAMPLES:-2000} $(PY) -m pytest -q tests/test_conformance_random.py
 
 # Mutation testing: small bugs planted one at a time in a copy of python/osp (tests/mutation.py), each against the
-# fast tests chosen for it; fails under 95% killed (about 15 minutes; MUTATION_ARGS="--only ID" for one, "--list").
+# fast tests chosen for it; fails under 95% killed (about 20 minutes; MUTATION_ARGS="--only ID" for one, "--list").
 # The feature axis in full (tests/features.py): every mode x every feature x every loop pattern, SGD with
 # momentum and AdamW, on the one-rank oracle (about 12000 cases, 10 minutes; `make test` runs the pairwise sample
 # and every mode x feature on the plain loop).

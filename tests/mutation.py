@@ -48,15 +48,18 @@ class Mutant:
 
 
 FILES = {"conf": "tests/test_conformance.py", "opt": "tests/test_optimizer.py", "ops": "tests/test_ops.py",
-         "hsp": "tests/test_hsp.py", "comp": "tests/test_compression.py"}
+         "hsp": "tests/test_hsp.py", "comp": "tests/test_compression.py", "int": "tests/test_intersections.py",
+         "hvd": "tests/test_horovod_parity.py", "arr": "tests/test_arrivals.py", "plan": "tests/test_plan.py"}
 
 
 def T(conf: Optional[str] = None, **more: str) -> str:
     """The fast in-process tests for a mutant: ``conf``, a -k expression over the cases of the one-rank
-    conformance oracle (ids ``mode|pattern|optimizer|dtype``); ``opt=``, ``ops=``, ``hsp=``: -k
-    expressions over the tests of that file. One -k expression, each part qualified by its file (pytest
-    takes only the last -k), and never a multiproc test. The other files run first: their few tests are
-    the quicker kill (pytest -x stops at the first failure)."""
+    conformance oracle (ids ``mode|pattern|optimizer|dtype[|compression|feature]``); ``opt=``, ``ops=``,
+    ``hsp=``, ``comp=``, ``int=``, ``hvd=``, ``arr=``, ``plan=``: -k expressions over the tests of that file
+    (``FILES``). One -k expression, each part qualified by its file (pytest takes only the last -k), and
+    never a multiproc test. The other files run first: their few tests are the quicker kill (pytest -x
+    stops at the first failure). Where only real ranks can show a bug, a mutant names the one multiproc
+    test node instead (``TWO_RANKS``)."""
     parts = list(more.items())
     parts += [("conf", f"test_one_rank_equals_torch_optim and ({conf})")] if conf else []
     files = " ".join(FILES[k] for k, _ in parts)
@@ -73,6 +76,19 @@ EVERY_MODE = "bsp or osp-0.25 or dsync-2 or hsp-closure"
 OPT_OSP = "one_rank_osp or bucket_ready_last or critical_zero or tensor_lr or step_hooks"
 OPT_BSP = "BSP and not cuda"
 OPT_ALL = f"{OPT_OSP} or one_rank_dsync or extra_backward or param_groups_changed"
+#: the narrowest multiproc node where only real ranks show a bug (op=Sum's factor is the world size, a replica
+#: check compares ranks, a compressed average divides by the world size, Lightning's launcher starts ranks)
+TWO_RANKS = {
+    "sum": "tests/test_intersections.py::test_op_sum_gradient_penalty_on_two_ranks",  # ~10 s
+    "replicas": "tests/test_replicas.py::test_replicas_checked_at_runtime"
+                "[spawn-torch-bsp,osp-0.25,dsync-2,hsp,hsp-osp]",  # ~10 s
+    "compression": "tests/test_compression.py::test_two_ranks_replicas_equal_and_replay[spawn-torch]",  # ~12 s
+    "lightning": "tests/test_lightning.py::test_replicas_bitwise_and_the_closure_once_per_step",  # ~60 s
+    "join-amp": "tests/test_join.py::test_join_keeps_grad_scalers_in_step",  # ~10 s
+    "join-dsync": "tests/test_join.py::test_join_under_dsync_leaves_at_the_same_step",  # ~15 s
+    "join-scheduler": "tests/test_join.py::test_uneven_data_joins_cleanly[spawn-torch-3]",  # ~15 s
+    "hsp": "tests/test_hsp.py::test_hsp_with_a_straggler[torch-2-bsp]",  # ~15 s
+}
 
 M = Mutant
 MUTANTS: List[Mutant] = [
@@ -384,6 +400,160 @@ MUTANTS: List[Mutant] = [
       '    _check_dense(grad, "grad")\n', "",
       T(ops="not cuda"),
       "score_blocks no longer refuses a sparse gradient with a clear message"),
+    # -- keywords.py: Horovod's keywords (op, gradient_predivide_factor, groups, sparse_as_dense) -----
+    M("kw-sum-prescale-dropped", "keywords.py",
+      "return float(size) if self.op == SUM else 1.0 / self.predivide",
+      "return 1.0 if self.op == SUM else 1.0 / self.predivide",
+      TWO_RANKS["sum"],
+      "op=hvd.Sum applies the average of the ranks' gradients, not their sum (one rank cannot tell)"),
+    M("kw-predivide-postscale-dropped", "modes/bsp.py",
+      "        ctx.scale_grads(ctx.postscale)  # gradient_predivide_factor",
+      "        pass  # gradient_predivide_factor",
+      T("bsp and predivide-4", int="predivide"),
+      "gradient_predivide_factor=f: the average is not multiplied back by f (the update is 1/f of torch's)"),
+    M("kw-groups-duplicate-accepted", "keywords.py",
+      "            seen.add(id(p))\n", "",
+      T(hvd="bad_values_are_named or groups_naming_a_parameter_twice"),
+      "groups=[[p], [p]]: a parameter listed twice is accepted (Horovod refuses it)"),
+    M("kw-sparse-as-dense-ignored", "optimizer.py",
+      "            fg.sparse_as_dense = sparse_as_dense\n", "            fg.sparse_as_dense = False\n",
+      T(hvd="sparse"),
+      "sparse_as_dense=True is accepted and a sparse embedding's gradient is refused as if it were False"),
+    # -- accumulation.py: the prescale, no_sync(), early readiness, HSP's extras ----------------------
+    M("acc-prescale-tensor-hook", "accumulation.py",
+      "self._scaled[p] = (node, node.register_prehook(self._scale))",
+      "self._scaled[p] = (node, p.register_hook(lambda g, s=self._scale: (s((g,)) or (g,))[0]))",
+      T(int="predivide"),
+      "the prescale on a tensor hook: torch.autograd.grad (a gradient penalty) returns the scaled gradient"),
+    M("acc-no-sync-passes-counted", "accumulation.py",
+      "        if self._no_sync:\n            return\n", "        if False:\n            return\n",
+      T(f"no-sync and ({EVERY_MODE})", opt="no_sync"),
+      "a pass inside no_sync() counts toward backward_passes_per_step: the step's average starts before its pass"),
+    M("acc-no-sync-late-accepted", "accumulation.py",
+      "        if self._backwards >= self.passes_per_step:\n            self._task = None\n",
+      "        if self._backwards > self.passes_per_step:\n            self._task = None\n",
+      T(f"no-sync and ({EVERY_MODE})", opt="no_sync"),
+      "a no_sync() pass after the step's last counted pass is accumulated: its gradient misses the average"),
+    M("acc-unreached-every-pass", "accumulation.py",
+      "                or self._backwards + 1 < self.passes_per_step):", "                ):",
+      T("(unused-param or accumulate-2) and (bsp or osp-0.25)", opt="unused_parameter or skips_a_branch"),
+      "with accumulation, a parameter the FIRST pass misses is ready then: a later pass's gradient misses the average"),
+    M("acc-extras-counted", "accumulation.py",
+      "if n > self.passes_per_step and not self._in_extra:", "if n > self.passes_per_step:",
+      T(opt="whole_steps_on_meta and HSP"),
+      "HSP's extra micro-batches count toward backward_passes_per_step: the first extra is refused"),
+    # -- parameters.py and layout.py: closure-only optimizers, kept strides ---------------------------
+    M("params-closure-optimizer-accepted", "parameters.py",
+      "    needs = _required_step_arguments(optimizer)\n", "    needs = []\n",
+      T(int="needs_a_closure"),
+      "an optimizer whose step() needs a closure (LBFGS) is wrapped, and fails at the first step"),
+    M("layout-strides-not-kept", "layout.py",
+      "    return None if kept is None else tuple(p.stride())", "    return None",
+      T(int="channels_last or transposed"),
+      "a channels_last parameter becomes a row-major view of the flat buffer (its kernels and gradient change layout)"),
+    # -- replicas.py: the runtime replica check (needs 2 real ranks) ---------------------------------
+    M("rep-first-step-skipped", "replicas.py",
+      "if self.every and (index == 0 or index % self.every == 0):",
+      "if self.every and index and index % self.every == 0:",
+      TWO_RANKS["replicas"],
+      "ranks that start from different weights train apart: the first step's check never runs"),
+    M("rep-compare-any", "replicas.py",
+      "if all(r == rows[0] for r in rows):", "if any(r == rows[0] for r in rows):",
+      TWO_RANKS["replicas"],
+      "the comparison always passes (rank 0's row equals itself)"),
+    M("rep-named-off-by-one", "replicas.py",
+      "                first = names[j]\n", "                first = names[j + 1]\n",
+      TWO_RANKS["replicas"],
+      "the error names the parameter after the first one that differs"),
+    M("rep-broadcast-skipped", "optimizer.py",
+      "if broadcast_parameters and not self.comm.elastic:", "if broadcast_parameters and self.comm.elastic:",
+      TWO_RANKS["replicas"],
+      "broadcast_parameters=True broadcasts nothing: ranks keep their own initial weights"),
+    M("rep-hsp-never-synced", "modes/hsp.py",
+      "        if self.exact:  # every rank has arrived", "        if False:  # every rank has arrived",
+      TWO_RANKS["replicas"],
+      "HSP never reaches an exact point: its replicas are never checked (a forgotten broadcast trains on)"),
+    M("rep-hsp-checked-at-start", "optimizer.py",
+      "if self.mode.exact and not self.mode.synced_in_step:", "if self.mode.exact:",
+      TWO_RANKS["hsp"],
+      "HSP's check runs at the step's start, where a fast rank waits for the straggler instead of computing extras"),
+    M("rep-joined-compared", "replicas.py",
+      "        if any(r[2] for r in rows):\n", "        if False:\n",
+      TWO_RANKS["join-scheduler"],
+      "a check inside join() compares replicas that differ by design (a scheduler the joined rank does not step)"),
+    M("flush-bsp-not-synced", "optimizer.py",
+      "if self._synced_calls == calls and self.mode.exact:", "if False:",
+      T("(bsp or hsp) and on-synced"),
+      "flush() under BSP and HSP neither calls on_synced nor checks the replicas"),
+    # -- join(): a GradScaler, DSync's late records (amp.py, optimizer.py, modes/dsync.py) -------------
+    M("join-scaler-left-behind", "amp.py",
+      "    scaler.step(opt)\n    scaler.update()\n", "    opt.step()\n",
+      TWO_RANKS["join-amp"],
+      "a joined rank steps outside its GradScaler: its scale stands still while the others' move"),
+    M("join-leaves-at-first-record", "optimizer.py",
+      "left = lag - ctx.joined_age", "left = 0",
+      TWO_RANKS["join-dsync"],
+      "join() ends when this rank reads the all-joined record, which DSync(auto) ranks read at other steps"),
+    M("join-dsync-lag-zero", "modes/dsync.py",
+      'return self.options.max_delay if self.options.delay == "auto" else self.options.delay',
+      'return 0 if self.options.delay == "auto" else self.options.delay',
+      TWO_RANKS["join-dsync"],
+      "DSync(auto) says its records are read at once: ranks leave join() at different steps"),
+    # -- clip_grad_value_ (modes/base.py, optimizer.py): the conformance pattern clip-value-opt ------
+    M("clipv-lower-bound-dropped", "modes/base.py",
+      "g.clamp_(min=-clip.value, max=clip.value)", "g.clamp_(max=clip.value)",
+      T("clip-value-opt"),
+      "clip_grad_value_: the average is clamped from above only (negative elements below -value kept)"),
+    M("clipv-requested-as-norm", "optimizer.py",
+      'self._request_clip(Clip("value", float(clip_value)))', 'self._request_clip(Clip("norm", float(clip_value)))',
+      T("clip-value-opt"),
+      "clip_grad_value_ under OSP/DSync/HSP clips the average by its norm"),
+    M("clipv-bsp-not-applied", "optimizer.py",
+      "            torch.nn.utils.clip_grad_value_(params, clip_value)\n", "            pass\n",
+      T("clip-value-opt and (bsp or osp-1.0)"),
+      "clip_grad_value_ under BSP leaves the averaged .grad unclipped"),
+    # -- compression.py / comm.py: the wire --------------------------------------------------------
+    M("comp-cast-skipped", "comm.py",
+      "target, tensor = tensor, tensor.div(self.size).to(wire)", "target, tensor = tensor, tensor.div(self.size)",
+      T(comp="one_rank_equals"),
+      "compression=fp16/bf16: the average travels uncast (the update is not the compressed one asked for)"),
+    M("comp-no-divide-before-cast", "comm.py",
+      "target, tensor = tensor, tensor.div(self.size).to(wire)", "target, tensor = tensor, tensor.to(wire)",
+      TWO_RANKS["compression"],
+      "a compressed average is the ranks' sum (not divided before the cast; one rank cannot tell)"),
+    # -- arrivals.py: the slow rank, named ---------------------------------------------------------
+    M("arr-lag-from-rank-0", "arrivals.py",
+      "self._lag[r] += a - first", "self._lag[r] += a - ms[0]",
+      T(arr="not multiproc"),
+      "stats()['arrivals'] lag is measured from rank 0's arrival, not the earliest rank's"),
+    M("arr-threshold-inclusive", "arrivals.py",
+      "return (r, ratio) if ratio > self.FACTOR else None", "return (r, ratio) if ratio >= self.FACTOR else None",
+      T(arr="not multiproc"),
+      "a rank exactly FACTOR (1.5x) slower is named and warned of (documented: more than FACTOR)"),
+    # -- lightning.py (one launch of Lightning's own, 2 ranks, about a minute) ---------------------
+    M("lightning-no-flush-at-train-end", "lightning.py",
+      "    def on_train_end(self, trainer, pl_module) -> None:\n        self.strategy.flush()\n",
+      "    def on_train_end(self, trainer, pl_module) -> None:\n        pass\n",
+      TWO_RANKS["lightning"],
+      "fit() returns with OSP's stage 2 / DSync's averages in flight: replicas apart after training"),
+    M("lightning-clipping-not-routed", "lightning.py",
+      "        self._patch_clipping()\n", "",
+      TWO_RANKS["lightning"],
+      "gradient_clip_val under OSP/DSync clips each rank's own .grad (Lightning's clipping), not the average"),
+    # -- plan.py: the stated model's terms ---------------------------------------------------------
+    M("plan-hsp-ready-latency-dropped", "plan.py",
+      "    return F + B + ready + cluster.allreduce_s(total) + S", "    return F + B + cluster.allreduce_s(total) + S",
+      T(plan="closed_form or straggler or shared_host or latency"),
+      "HSP's step leaves out its \"ready\" round (2(N-1) * latency)"),
+    M("plan-osp-stage2-not-on-link", "plan.py",
+      "start_free = cluster.allreduce_s(deferred) - S if deferred > 0 else 0.0", "start_free = 0.0",
+      T(plan="closed_form or straggler or shared_host or latency"),
+      "OSP's step finds the link free: the previous step's stage 2 is not on it"),
+    M("plan-host-steal-dropped", "plan.py",
+      'steal = 0.0 if mode in ("plain", "hsp") else cluster.host_cpu_s(sum(b["bytes"] for b in profile["buckets"]))',
+      "steal = 0.0",
+      T(plan="closed_form or straggler or shared_host or latency"),
+      "a shared host's collective CPU work is not taken from the overlapping modes' compute"),
 ]
 
 

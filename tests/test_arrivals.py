@@ -46,6 +46,24 @@ def test_balanced_or_briefly_slow_ranks_are_not_named():
     assert a.slow_rank() is None and not caught
 
 
+def test_the_lag_is_behind_the_earliest_rank_not_rank_0():
+    """Rank 1 arrives first here: each rank's lag is from it (rank 0's is not zero, nobody's is negative)."""
+    a = Arrivals(rank=0)
+    feed(a, [[150.0, 100.0, 120.0], [130.0, 110.0, 90.0]])
+    assert a.stats()["lag_ms"] == [(50.0 + 40.0) / 2, (0.0 + 20.0) / 2, (20.0 + 0.0) / 2]
+
+
+def test_exactly_factor_times_slower_is_not_named():
+    """The rule is "more than FACTOR times": a rank exactly 1.5x slower is not named, a little more is."""
+    a = Arrivals(rank=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        feed(a, [[100.0, 100.0 * Arrivals.FACTOR]] * 10)
+        assert a.slow_rank() is None and a.stats()["slow_rank"] is None and not caught
+        feed(a, [[100.0, 151.0]] * Arrivals.WINDOW)
+    assert a.slow_rank() == (1, 1.51) and len(caught) == 1
+
+
 def test_the_first_record_of_a_step_counts_and_a_new_world_starts_over():
     a = Arrivals(rank=0)
     a.record([100.0, 300.0])

@@ -64,6 +64,47 @@ def test_horovod_keywords_bad_values_are_named(kwargs, pattern):
         osp.DistributedOptimizer(opt, **kwargs)
 
 
+def test_groups_naming_a_parameter_twice_is_refused(one_rank):
+    """Horovod's rule (its test_duplicate_groups): each parameter in at most one group; a partition is accepted."""
+    model, opt = sgd()
+    w0, b0, w1, b1 = model.parameters()
+    with pytest.raises(ValueError, match="a parameter can only appear once in groups"):
+        osp.DistributedOptimizer(opt, model.named_parameters(), groups=[[w0, b0], [w1, w0]])
+    d = osp.DistributedOptimizer(opt, model.named_parameters(), sync=osp.BSP(), groups=[[w0, b0], [w1, b1]])
+    assert d.optimizer is opt
+
+
+@pytest.mark.parametrize("sync", [osp.BSP(), osp.OSP(critical=0.25, block_size=4), osp.DSync(delay=1),
+                                  osp.HSP(max_extra=0)], ids=repr)
+def test_sparse_as_dense_trains_as_the_dense_embedding(one_rank, sync):
+    """sparse_as_dense=True: an Embedding(sparse=True)'s gradient is made dense where it enters osp, and the
+    update is plain torch.optim's on the same Embedding(sparse=False) (the one-rank oracle); without it the
+    sparse gradient is refused with the keyword to pass."""
+    def embedding(sparse):
+        torch.manual_seed(0)
+        return torch.nn.Embedding(10, 3, sparse=sparse)
+
+    a, b = embedding(True), embedding(False)
+    opt = osp.DistributedOptimizer(torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9), a.named_parameters(),
+                                   sync=sync, sparse_as_dense=True)
+    ref = torch.optim.SGD(b.parameters(), lr=0.1, momentum=0.9)
+    for step in range(5):
+        ids = torch.tensor([step % 10, (3 * step + 1) % 10, 7])
+        for m, o in ((a, opt), (b, ref)):
+            o.zero_grad()
+            m(ids).pow(2).sum().backward()
+            o.step()
+    opt.flush()
+    torch.testing.assert_close(a.weight, b.weight, rtol=1e-6, atol=1e-7)
+    assert not torch.equal(a.weight, embedding(False).weight)  # it trained
+    c = embedding(True)
+    opt = osp.DistributedOptimizer(torch.optim.SGD(c.parameters(), lr=0.1), c.named_parameters(), sync=sync)
+    with pytest.raises(ValueError, match="sparse gradient.*pass sparse_as_dense=True"):  # in backward or step()
+        c(torch.tensor([1, 2])).sum().backward()
+        opt.step()
+        opt.flush()
+
+
 def test_sparse_adam_is_refused_with_the_alternative():
     emb = torch.nn.Embedding(5, 2, sparse=True)
     with pytest.raises(ValueError, match="use torch.optim.Adam, with sparse_as_dense=True"):

@@ -93,6 +93,17 @@ def test_link_bound_closed_form():
         assert r["steps_per_s"] == pytest.approx(1 / r["step_s"])
 
 
+def test_latency_counts_per_hop_and_in_hsps_ready_round():
+    """4 ranks at 1 Gbit/s, 5 us a hop: every ring pays 2(N-1) = 6 hops (T(b) = 1.5 * 8b / 1e9 + 30 us), and HSP
+    pays them once more for its "ready" round before its one sum of the whole gradient."""
+    hop = 6 * 5e-6
+    rows = by_mode(plan(synthetic(), Cluster(4, 1e9, 5e-6), shares=(0.25,), delays=(2,)))
+    # BSP: bucket 1 (25 MB, 0.3 s) from 0.07, bucket 2 (5 MB, 0.06 s) behind it, then the step
+    assert rows["bsp"]["step_s"] == pytest.approx(0.07 + 0.3 + hop + 0.06 + hop + 0.01)
+    assert rows["dsync-2"]["step_s"] == pytest.approx(0.3 + 0.06 + 2 * hop)
+    assert rows["hsp"]["step_s"] == pytest.approx(0.15 + hop + (0.36 + hop) + 0.01)
+
+
 def test_compute_bound_closed_form():
     """100 Gbit/s: the allreduce (2.4 ms) hides in backward; auto stays fully critical."""
     rows = by_mode(plan(synthetic(), Cluster(2, 1e11), shares=(0.25,), delays=(1,)))

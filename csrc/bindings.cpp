@@ -5,6 +5,7 @@
 #include <Python.h>
 #include <torch/library.h>
 #include <ATen/ATen.h>
+#include <ATen/ops/sqrt_cpu_dispatch.h>
 
 #include <algorithm>
 #include <vector>
@@ -143,6 +144,16 @@ void sgd_step_into_cpu(const at::Tensor& param, const c10::optional<at::Tensor>&
                        m8.data_ptr<uint8_t>(), param.numel(), bs, h);
 }
 
+// torch's own fp32 sqrt on raw buffers (cpu::adam_step's SqrtF32): the CPU kernel at::cpu::sqrt_out
+// calls, without the dispatcher, from inside the Adam kernel's parallel loop (where torch's own loops
+// run serially). It is an elementwise function of the value, whatever the piece or its alignment: MKL's
+// VML sqrt where torch has MKL (not correctly rounded), a vector sqrt otherwise.
+void torch_sqrt_f32(float* out, const float* in, int64_t n) {
+  const auto opts = at::TensorOptions().dtype(at::kFloat).device(at::kCPU);
+  at::Tensor o = at::from_blob(out, {n}, opts);
+  at::cpu::sqrt_out(o, at::from_blob(const_cast<float*>(in), {n}, opts));
+}
+
 void adam_step_cpu(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                    const at::Tensor& exp_avg_sq, const c10::optional<at::Tensor>& max_exp_avg_sq,
                    double step, double lr, double beta1, double beta2, double eps, double weight_decay,
@@ -151,7 +162,7 @@ void adam_step_cpu(const at::Tensor& param, const at::Tensor& grad, const at::Te
   const AdamHyper h{lr, beta1, beta2, eps, weight_decay, step, amsgrad, maximize, decoupled};
   if (param.numel() > 0)
     cpu::adam_step(to_dtype(param, "param"), param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(),
-                   exp_avg_sq.data_ptr(), mx, param.numel(), h);
+                   exp_avg_sq.data_ptr(), mx, param.numel(), h, &torch_sqrt_f32);
 }
 
 // [rows, span, chunk, chunks, items, ctas, grid, group, per_cta] of score_plan's pass 1 (the shape of

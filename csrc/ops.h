@@ -51,8 +51,15 @@ void merge_blocks(DType dt, const void* crit, const void* def, const uint8_t* ma
 // Exact optimizer steps on packed (contiguous) buffers, in place on param and state.
 void sgd_step(DType dt, void* param, const void* grad, void* momentum_buf, int64_t n,
               const SgdHyper& h);
+// out[i] = sqrt(in[i]) for n fp32 values, as torch computes it on the CPU (Adam's denominator): where
+// torch is built with MKL that is MKL's VML sqrt, which is not correctly rounded (std::sqrt is) and
+// differs from it by one ulp in about one element in 150. Called from inside the kernel's parallel loop
+// on pieces of a few thousand elements; out and in do not overlap.
+using SqrtF32 = void (*)(float* out, const float* in, int64_t n);
+// In fp32 the denominator's square root comes from sqrt_f32 (bitwise torch.optim); in fp16/bf16 torch's
+// own sqrt is correctly rounded in fp32 before rounding to the dtype, as std::sqrt is.
 void adam_step(DType dt, void* param, const void* grad, void* exp_avg, void* exp_avg_sq,
-               void* max_exp_avg_sq, int64_t n, const AdamHyper& h);
+               void* max_exp_avg_sq, int64_t n, const AdamHyper& h, SqrtF32 sqrt_f32);
 // The SGD step of the blocks with mask[b] == 0 of a flat param (n elements, blocks of bs) from packed
 // inputs: snap_param, snap_momentum (not read on the first step) and grad hold just those blocks, in
 // ascending block order. The results go to the blocks' places in param and momentum_buf (null without

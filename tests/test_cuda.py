@@ -83,6 +83,21 @@ def assert_bitwise(got, want, what):
                     f"{got[i].item()!r} on CUDA, {want[i].item()!r} on the CPU")
 
 
+def assert_adam_param(got, want, what):
+    """Adam's parameter: the CPU kernel takes torch's CPU sqrt (MKL's, not correctly rounded: about 0.65% of
+    values 1 ulp off), CUDA's sqrt is correctly rounded; the parameter may differ by one ulp of its denominator,
+    so at most 1 ulp of the update's scale (its moments must be bitwise, ``assert_bitwise``)."""
+    got = got.cpu()
+    assert got.shape == want.shape and got.dtype == want.dtype, what
+    diff = (got.double() - want.double()).abs()
+    bound = 2 * torch.finfo(want.dtype).eps * want.double().abs().clamp(min=1e-3)
+    bad = diff > bound
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        pytest.fail(f"{what}: {int(bad.sum())} of {want.numel()} elements beyond 2 ulps, the first at {i}: "
+                    f"{got[i].item()!r} on CUDA, {want[i].item()!r} on the CPU")
+
+
 @contextlib.contextmanager
 def sync_errors():
     """Any host sync inside raises (torch.cuda.set_sync_debug_mode("error")); the work queued before is
@@ -251,7 +266,9 @@ def test_adam_step_matches_cpu(n, variant):
         for (p, ea, es, mx), grad in ((cpu, g), (gpu, g.cuda())):
             ops.adam_step_(p, grad, ea, es, mx if kw.get("amsgrad") else None, step=step, **kw)
         for name, a, b in zip(("param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"), gpu, cpu):
-            assert_bitwise(a, b, f"adam_step_ {variant} step {step}: {name}")
+            same = assert_adam_param if name == "param" else assert_bitwise
+            same(a, b, f"adam_step_ {variant} step {step}: {name}")
+            b.copy_(a.cpu())  # the next step from the same point on both
 
 
 @pytest.mark.parametrize("variant", SGD)
@@ -476,7 +493,7 @@ def _sync_case(op):
             ops.adam_step_(flat, g, *state, step=5, **kw)
             for name, a, b in zip(("param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"), [cflat2] + cstate,
                                   [flat] + state):
-                assert_bitwise(a, b, f"adam_step_: {name}")
+                (assert_adam_param if name == "param" else assert_bitwise)(a, b, f"adam_step_: {name}")
         return call, check
     raise AssertionError(op)
 

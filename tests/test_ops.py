@@ -314,8 +314,8 @@ def assert_steps_match(ours, theirs, dtype, exact):
         if exact:
             assert torch.equal(a, b), f"{name}: {int((a != b).sum())} elements differ"
         else:
-            # ATen's CPU sqrt is not correctly rounded (1 ulp), and CUDA rounds differently: allow
-            # an ulp of the tensor's scale per step.
+            # fp16/bf16 on the CPU and CUDA round differently from torch.optim: allow an ulp of the
+            # tensor's scale per step.
             err = scaled_error(a, b)
             assert err <= STEPS, f"{name}: {err:.2f} ulps of the tensor's scale apart"
 
@@ -430,7 +430,47 @@ def test_adam_step_matches_torch_optim(device, dtype, case):
         ours = [p, ea, es] + ([mx] if amsgrad else [])
         theirs = [p_ref.detach(), st["exp_avg"], st["exp_avg_sq"]] + (
             [st["max_exp_avg_sq"]] if amsgrad else [])
-        assert_steps_match(ours, theirs, dtype, exact=False)
+        # bitwise on a CPU with FMA in fp32: the kernel takes torch's own sqrt (MKL's, not correctly rounded)
+        assert_steps_match(ours, theirs, dtype, exact=device == "cpu" and dtype == torch.float32 and CPU_HAS_FMA)
+
+
+@pytest.mark.skipif(not CPU_HAS_FMA, reason="ATen's CPU kernels use fused multiply-adds with AVX2/AVX512 only")
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("n", [8191, 3 * 8192 + 5, 100003])
+@pytest.mark.parametrize("case", range(len(ADAM_CASES)))
+def test_adam_step_bitwise_across_pieces_and_threads(case, n, threads):
+    """The CPU kernel runs over pieces of 8192 elements (torch's sqrt on each, and the update of one
+    piece in a loop with the second moment of the next), in parallel: bitwise torch.optim (fp32) at any
+    length and thread count, also where the square root of an element holds a nan or an inf."""
+    cls, kw = ADAM_CASES[case]
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        p_ref = torch.nn.Parameter(rand(n, torch.float32, "cpu"))
+        opt = getattr(torch.optim, cls)([p_ref], foreach=False, **kw)
+        p = p_ref.detach().clone()
+        ea, es, mx = torch.zeros_like(p), torch.zeros_like(p), torch.zeros_like(p)
+        beta1, beta2 = kw.get("betas", (0.9, 0.999))
+        wd = kw.get("weight_decay", 1e-2 if cls == "AdamW" else 0.0)
+        amsgrad = kw.get("amsgrad", False)
+        for step in range(1, 4):
+            g = rand(n, torch.float32, "cpu", seed=300 + step) * (1e-9 if step == 2 else 1.0)
+            if step == 3:
+                g[[5, n // 2, n - 1]] = torch.tensor([float("nan"), float("inf"), float("-inf")])
+            p_ref.grad = g.clone()
+            opt.step()
+            ops.adam_step_(p, g, ea, es, mx if amsgrad else None, step=step, lr=kw["lr"], beta1=beta1,
+                           beta2=beta2, eps=kw.get("eps", 1e-8), weight_decay=wd, amsgrad=amsgrad,
+                           maximize=kw.get("maximize", False), decoupled=cls == "AdamW")
+            st = opt.state[p_ref]
+            for name, a, b in zip(("param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"), [p, ea, es, mx],
+                                  [p_ref.detach(), st["exp_avg"], st["exp_avg_sq"], st.get("max_exp_avg_sq")]):
+                if b is None:
+                    continue
+                same = (a == b) | (a.isnan() & b.isnan())
+                assert bool(same.all()), f"step {step}: {name} differs in {int((~same).sum())} elements"
+    finally:
+        torch.set_num_threads(prev)
 
 
 def test_reference_fallback_matches_kernels():

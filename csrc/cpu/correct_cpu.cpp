@@ -2,8 +2,11 @@
 // Each line mirrors one tensor op of torch.optim's single-tensor path, in the same order, with the
 // same fused multiply-adds as ATen's CPU kernels (add with alpha, lerp, addcmul use fmadd;
 // mul, div, addcdiv do not) and rounding to T wherever torch.optim materialises a tensor, so the
-// result matches torch.optim bit for bit on the CPU.
+// result matches torch.optim bit for bit on the CPU. Adam's square root is torch's own (the caller's
+// SqrtF32, see ops.h): torch's fp32 sqrt is MKL's, which is not correctly rounded.
 #include "common_cpu.h"
+
+#include <type_traits>
 
 namespace osp {
 namespace cpu {
@@ -62,36 +65,85 @@ struct AdamScalars {
   float wd, decay, w1, b2, omb2, bc2s, eps, neg_step;
 };
 
-// The flags are template parameters so the loop has no branches and vectorizes.
-template <typename T, bool MAXIMIZE, bool WD, bool DECOUPLED, bool AMSGRAD, bool SMALL>
-OSP_HOT void adam_range(T* P, const T* G, T* EA, T* ES, T* MX, int64_t i0, int64_t i1,
-                        AdamScalars s) {
-  for (int64_t i = i0; i < i1; ++i) {
-    float g = to_f(G[i]);
-    if constexpr (MAXIMIZE) g = -g;
-    float p = to_f(P[i]);
-    if constexpr (WD) {
-      if constexpr (DECOUPLED) p = rnd<T>(p * s.decay);
-      else g = rnd<T>(std::fma(p, s.wd, g));
-    }
-    const float e0 = to_f(EA[i]);
-    const float d = g - e0;
-    const float e = rnd<T>(SMALL ? std::fma(s.w1, d, e0) : std::fma(s.w1 - 1.f, d, g));
-    float v = rnd<T>(to_f(ES[i]) * s.b2);
-    v = rnd<T>(std::fma(s.omb2 * g, g, v));
-    EA[i] = from_f<T>(e);
-    ES[i] = from_f<T>(v);
-    if constexpr (AMSGRAD) {
-      const float m0 = to_f(MX[i]);
-      // torch.maximum: nan if either is nan (m0 + v is nan then)
-      v = (m0 != m0 || v != v) ? m0 + v : (m0 > v ? m0 : v);
-      MX[i] = from_f<T>(v);
-    }
-    float den = rnd<T>(std::sqrt(v));
-    den = rnd<T>(den / s.bc2s);
-    den = rnd<T>(den + s.eps);
-    P[i] = from_f<T>(p + (s.neg_step * e) / den);
+// Adam runs over pieces of kAdamPiece elements. The second moment of a piece comes first, then its square
+// root by torch's own sqrt (SqrtF32, see ops.h: where torch has MKL it is not correctly rounded, std::sqrt
+// is), then the first moment and the parameters. One loop does the last of these for one piece together
+// with the second moment of the next (software pipelining): its divisions overlap the memory traffic of
+// both, as in one fused pass over the elements.
+constexpr int64_t kAdamPiece = 8192;
+
+#define OSP_INLINE inline __attribute__((always_inline))
+
+// The gradient as torch.optim's Adam uses it: negated (maximize), plus the weight decay (Adam's).
+template <typename T, bool MAXIMIZE, bool WD, bool DECOUPLED>
+OSP_INLINE float adam_grad(const T* P, const T* G, int64_t i, const AdamScalars& s) {
+  float g = to_f(G[i]);
+  if constexpr (MAXIMIZE) g = -g;
+  if constexpr (WD && !DECOUPLED) g = rnd<T>(std::fma(to_f(P[i]), s.wd, g));
+  return g;
+}
+
+// exp_avg_sq (and max_exp_avg_sq) of element i, in place.
+template <typename T, bool MAXIMIZE, bool WD, bool DECOUPLED, bool AMSGRAD>
+OSP_INLINE void adam_second(const T* P, const T* G, T* ES, T* MX, int64_t i, const AdamScalars& s) {
+  const float g = adam_grad<T, MAXIMIZE, WD, DECOUPLED>(P, G, i, s);
+  float v = rnd<T>(to_f(ES[i]) * s.b2);
+  v = rnd<T>(std::fma(s.omb2 * g, g, v));
+  ES[i] = from_f<T>(v);
+  if constexpr (AMSGRAD) {
+    const float m0 = to_f(MX[i]);
+    // torch.maximum: nan if either is nan (m0 + v is nan then); written as selects that vectorize
+    const float nan = m0 + v;
+    float mx = m0 > v ? m0 : v;
+    mx = m0 != m0 ? nan : mx;
+    MX[i] = from_f<T>(v != v ? nan : mx);
   }
+}
+
+// exp_avg and the parameter of element i, in place; r: the square root (rounded to T) of what Adam
+// divides by (exp_avg_sq, or max_exp_avg_sq with amsgrad).
+template <typename T, bool MAXIMIZE, bool WD, bool DECOUPLED, bool SMALL>
+OSP_INLINE void adam_update(T* P, const T* G, T* EA, float r, int64_t i, const AdamScalars& s) {
+  const float g = adam_grad<T, MAXIMIZE, WD, DECOUPLED>(P, G, i, s);
+  const float e0 = to_f(EA[i]);
+  const float d = g - e0;
+  const float e = rnd<T>(SMALL ? std::fma(s.w1, d, e0) : std::fma(s.w1 - 1.f, d, g));
+  EA[i] = from_f<T>(e);
+  float p = to_f(P[i]);
+  if constexpr (WD && DECOUPLED) p = rnd<T>(p * s.decay);
+  float den = rnd<T>(r / s.bc2s);
+  den = rnd<T>(den + s.eps);
+  P[i] = from_f<T>(p + (s.neg_step * e) / den);
+}
+
+// The update of elements u .. u + nu (square roots R[0 .. nu]) and the second moment of elements
+// v .. v + nv, the first min(nu, nv) of each in one loop. The flags are template parameters so the loops
+// have no branches and vectorize.
+template <typename T, bool MAXIMIZE, bool WD, bool DECOUPLED, bool AMSGRAD, bool SMALL>
+OSP_HOT void adam_pipe(T* P, const T* G, T* EA, T* ES, T* MX, const float* R, int64_t u, int64_t nu, int64_t v,
+                       int64_t nv, AdamScalars s) {
+  const int64_t m = std::min(nu, nv);
+  // The two element ranges do not overlap: restrict-qualified pointers to each (so the loop needs no
+  // runtime aliasing checks, of which it would need more than the compiler makes).
+  auto both = [m, &s](T* __restrict__ Pu, const T* __restrict__ Gu, T* __restrict__ EAu, const float* __restrict__ Ru,
+                      const T* __restrict__ Pv, const T* __restrict__ Gv, T* __restrict__ ESv, T* __restrict__ MXv) {
+    for (int64_t k = 0; k < m; ++k) {
+      adam_update<T, MAXIMIZE, WD, DECOUPLED, SMALL>(Pu, Gu, EAu, Ru[k], k, s);
+      adam_second<T, MAXIMIZE, WD, DECOUPLED, AMSGRAD>(Pv, Gv, ESv, MXv, k, s);
+    }
+  };
+  both(P + u, G + u, EA + u, R, P + v, G + v, ES + v, AMSGRAD ? MX + v : nullptr);
+  for (int64_t k = m; k < nu; ++k) adam_update<T, MAXIMIZE, WD, DECOUPLED, SMALL>(P, G, EA, R[k], u + k, s);
+  for (int64_t k = m; k < nv; ++k) adam_second<T, MAXIMIZE, WD, DECOUPLED, AMSGRAD>(P, G, ES, MX, v + k, s);
+}
+
+// R[k] = sqrt(X[k]) for k < len, as torch's sqrt computes it on a tensor of dtype T: in fp32 torch's own
+// (sqrt_f32); in fp16/bf16 torch's is correctly rounded in fp32, then rounded to T.
+template <typename T> void adam_sqrt(float* R, const T* X, int64_t len, SqrtF32 sqrt_f32) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (sqrt_f32 != nullptr) return sqrt_f32(R, X, len);
+  }
+  for (int64_t k = 0; k < len; ++k) R[k] = rnd<T>(std::sqrt(to_f(X[k])));
 }
 
 // Turns runtime flags into the template arguments of a kernel loop: Pick<K, T>::get(flags...)
@@ -114,10 +166,11 @@ struct SgdIntoLoop {
     sgd_range_into<T, B...>(P, M, Pin, Min, G, len, s);
   }
 };
-struct AdamLoop {
+struct AdamPipe {
   template <typename T, bool... B>
-  static void fn(T* P, const T* G, T* EA, T* ES, T* MX, int64_t i0, int64_t i1, AdamScalars s) {
-    adam_range<T, B...>(P, G, EA, ES, MX, i0, i1, s);
+  static void fn(T* P, const T* G, T* EA, T* ES, T* MX, const float* R, int64_t u, int64_t nu, int64_t v,
+                 int64_t nv, AdamScalars s) {
+    adam_pipe<T, B...>(P, G, EA, ES, MX, R, u, nu, v, nv, s);
   }
 };
 
@@ -173,7 +226,7 @@ void sgd_step_into(DType dt, void* param, void* momentum_buf, const void* snap_p
 }
 
 void adam_step(DType dt, void* param, const void* grad, void* exp_avg, void* exp_avg_sq,
-               void* max_exp_avg_sq, int64_t n, const AdamHyper& h) {
+               void* max_exp_avg_sq, int64_t n, const AdamHyper& h, SqrtF32 sqrt_f32) {
   // Scalars exactly as torch.optim.adam computes them in Python (double), then cast once.
   const double bc1 = 1.0 - std::pow(h.beta1, h.step);
   const double bc2 = 1.0 - std::pow(h.beta2, h.step);
@@ -184,11 +237,27 @@ void adam_step(DType dt, void* param, const void* grad, void* exp_avg, void* exp
     const AdamScalars sc{alpha<T>(h.weight_decay), float(1.0 - h.lr * h.weight_decay),
                          float(1.0 - h.beta1), float(h.beta2), float(1.0 - h.beta2),
                          float(bc2_sqrt), float(h.eps), float(-step_size)};
-    const bool small = std::fabs(sc.w1) < 0.5f;
-    auto fn = Pick<AdamLoop, T>::get(h.maximize, h.weight_decay != 0.0, h.decoupled, h.amsgrad, small);
-    at::parallel_for(0, n, kGrain, [&](int64_t i0, int64_t i1) {
-      fn(static_cast<T*>(param), static_cast<const T*>(grad), static_cast<T*>(exp_avg),
-         static_cast<T*>(exp_avg_sq), static_cast<T*>(max_exp_avg_sq), i0, i1, sc);
+    auto pipe = Pick<AdamPipe, T>::get(h.maximize, h.weight_decay != 0.0, h.decoupled, h.amsgrad,
+                                       std::fabs(sc.w1) < 0.5f);
+    auto P = static_cast<T*>(param);
+    auto G = static_cast<const T*>(grad);
+    auto EA = static_cast<T*>(exp_avg), ES = static_cast<T*>(exp_avg_sq), MX = static_cast<T*>(max_exp_avg_sq);
+    const T* V = h.amsgrad ? MX : ES;  // what Adam divides by
+    at::parallel_for(0, n, kAdamPiece, [&](int64_t i0, int64_t i1) {
+      thread_local std::vector<float> buf(2 * kAdamPiece);
+      float *R = buf.data(), *Rnext = R + kAdamPiece;
+      // the second moment of the first piece, alone; then each piece's update with the next one's
+      int64_t a = i0, b = std::min(i0 + kAdamPiece, i1);
+      pipe(P, G, EA, ES, MX, R, a, 0, a, b - a, sc);
+      adam_sqrt<T>(R, V + a, b - a, sqrt_f32);
+      while (a < i1) {
+        const int64_t c = b, d = std::min(b + kAdamPiece, i1);
+        pipe(P, G, EA, ES, MX, R, a, b - a, c, d - c, sc);
+        if (d > c) adam_sqrt<T>(Rnext, V + c, d - c, sqrt_f32);
+        std::swap(R, Rnext);
+        a = c;
+        b = d;
+      }
     });
   });
 }

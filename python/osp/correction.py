@@ -7,7 +7,7 @@ update is exactly the synchronous one. One corrector per optimizer kind:
 
 - ``FusedSGD`` (``torch.optim.SGD``: momentum, dampening, nesterov, weight decay, maximize) and
   ``FusedAdam`` (``Adam`` and ``AdamW``, amsgrad too) keep the optimizer's state in flat buffers and
-  correct packed blocks with fused kernels;
+  correct packed blocks of fp32 parameters with fused kernels, bitwise torch.optim's own step on the CPU;
 - ``Generic``, for any other optimizer (and for a fused kind in a configuration the kernels do not
   cover): restore the touched parameters and their state, and step the wrapped optimizer again.
 
@@ -247,6 +247,10 @@ class stepping_only:
         return False
 
 
+#: ATen's CPU kernels use fused multiply-adds (as osp's CPU kernels do) under these capabilities only
+_CPU_FMA = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
 class _Fused(Generic):
     """The flat-state machinery the fused correctors share; a group the kernels cannot take goes the
     generic way."""
@@ -262,10 +266,13 @@ class _Fused(Generic):
 
     def fused_ok(self, fg: FlatGroup) -> bool:
         # the kernels update whole groups: every parameter must have state, or none (a parameter
-        # without a gradient on any rank so far has none)
+        # without a gradient on any rank so far has none). On the CPU they spell out the fused
+        # multiply-adds of ATen's AVX2/AVX512 kernels: under another CPU capability (no FMA, another
+        # architecture) torch's own step corrects
         group = self.optimizer.param_groups[fg.group_index]
         st = self.optimizer.state
         return not (group.get("differentiable") or group.get("capturable")) \
+            and (fg.param.device.type != "cpu" or _CPU_FMA) \
             and len({bool(st.get(p)) for p in fg.params}) == 1
 
     def adopt(self, groups: Sequence[FlatGroup]) -> None:
@@ -409,6 +416,12 @@ class _Fused(Generic):
 class FusedSGD(_Fused):
     keys = ("momentum_buffer",)
 
+    def fused_ok(self, fg):
+        # fp32 only: in fp16/bf16 ATen's SGD arithmetic depends on where an element sits in its parameter
+        # (its vector loops and their scalar tails round differently), which packed blocks do not keep;
+        # there torch's own step corrects
+        return super().fused_ok(fg) and fg.dtype == torch.float32
+
     def state_keys(self, fg):
         return self.keys if self.optimizer.param_groups[fg.group_index].get("momentum", 0) else ()
 
@@ -444,12 +457,17 @@ class FusedAdam(_Fused):
         return self.keys + ("max_exp_avg_sq",) if amsgrad else self.keys
 
     def fused_ok(self, fg):
-        # the kernel takes one step number for the whole group; in fp16/bf16 torch's Adam rounds after
-        # every operation and the kernel once, so there torch's own step corrects (Adam's sensitivity to
-        # its second moment grows a last-bit difference into a visible one)
+        # the kernel takes one step number for the whole group; in fp32 it is bitwise torch's Adam (its
+        # square root is torch's own: ops.adam_step_), in fp16/bf16 it is not, so there torch's own step
+        # corrects (Adam's sensitivity to its second moment grows a last-bit difference into a visible one)
         # The step counts must be on the host: Adam(fused=True) keeps them on the parameters' device, and
-        # reading them would sync every step (torch's own fused step corrects there, the generic way)
-        return super().fused_ok(fg) and fg.dtype == torch.float32 and self._steps_on_host(fg) \
+        # reading them would sync every step (torch's own fused step corrects there, the generic way).
+        # A tensor lr (or betas, eps, weight decay): torch's Adam then computes its step size and decay
+        # factor in fp32 tensor arithmetic, the kernel in double from a float; torch's own step corrects.
+        group = self.optimizer.param_groups[fg.group_index]
+        tensors = any(torch.is_tensor(group.get(k)) for k in ("lr", "eps", "weight_decay")) \
+            or any(torch.is_tensor(b) for b in group.get("betas", ()))
+        return super().fused_ok(fg) and fg.dtype == torch.float32 and not tensors and self._steps_on_host(fg) \
             and len({self._step_of(p) for p in fg.params}) == 1
 
     def _steps_on_host(self, fg) -> bool:

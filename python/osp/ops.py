@@ -281,7 +281,14 @@ def adam_step_(
     maximize: bool = False, decoupled: bool = False,
 ) -> None:
     """One ``torch.optim.Adam`` (``decoupled=True``: ``AdamW``) step on contiguous buffers, in
-    place on ``param`` and the state. ``step`` is the step count after this step's increment."""
+    place on ``param`` and the state. ``step`` is the step count after this step's increment.
+
+    On the CPU in fp32 it is bitwise torch.optim's own step (single-tensor and foreach, float
+    hyper-parameters): its square root is torch's own CPU sqrt, which where torch has MKL is MKL's and
+    not correctly rounded (it differs from ``std::sqrt`` in about one element in 150, and Adam divides a
+    gradient of rounding noise by its own root mean square). On CUDA the square root is the correctly
+    rounded one, as torch's CUDA sqrt is. In fp16/bf16 it may differ from torch.optim in the last bit:
+    the LGP correction takes torch's own step there."""
     if _use_extension():
         torch.ops.osp.adam_step_(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, float(step), lr,
                                  beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled)

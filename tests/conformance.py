@@ -170,9 +170,11 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 #: no pattern skips the first step.)
 NONDETERMINISTIC_STATE = {("sgd-fused", "fp16"), ("sgd-fused", "bf16")}
 
-ULPS = 2  # per step, ulps of the tensor's scale: the modes whose provisional update takes the rank's own gradient
-# may round differently from torch.optim where a step averages in another order; the kernels themselves are
-# bitwise torch.optim's (docs/api.md, Kernels)
+ULPS = 2  # per step, ulps of the tensor's scale: the bound of an ``ulp`` outcome, which only ULP_ALLOWED may have
+#: (optimizer, dtype) whose cases may end within the bound rather than bitwise: torch's own fused Adam in 16-bit
+#: (osp re-steps it; one case of 3858 ended 1 ulp off). Every other case must be bitwise: osp's kernels are
+#: torch.optim's arithmetic (docs/api.md, Kernels), and a last-bit difference is what Adam grows into a visible one
+ULP_ALLOWED = {(o, d) for o in ("adam-fused", "adamw-fused") for d in ("fp16", "bf16")}
 
 
 # -- the model and the loop environment --------------------------------------------------------------
@@ -839,6 +841,8 @@ def verdict(case: Case, out: Outcome) -> Optional[str]:
     REFUSED table promises that did not come (unless torch itself refused or went non-finite first)."""
     if not out.ok:
         return f"{case.id}: {out.kind}: {out.detail}"
+    if out.kind == "ulp" and (case.optimizer, case.dtype) not in ULP_ALLOWED:
+        return f"{case.id}: within {ULPS} ulps a step of torch.optim, but not bitwise: {out.detail}"
     want = refusal(case.mode, case.pattern, case.feature)
     optional = (case.mode, case.pattern) in MAY_REFUSE and FE.refusal(case.mode, case.feature) is None
     if want is not None and not optional and out.kind not in ("refused", "torch-refuses", "torch-nonfinite"):

@@ -485,6 +485,22 @@ MUTANTS: List[Mutant] = [
       "if self._synced_calls == calls and self.mode.exact:", "if False:",
       T("(bsp or hsp) and on-synced"),
       "flush() under BSP and HSP neither calls on_synced nor checks the replicas"),
+    # -- corrections bitwise torch.optim's (correction.py; tests/test_exact_adam.py) --------------------
+    M("exact-sgd-half-fused", "correction.py",
+      "        return super().fused_ok(fg) and fg.dtype == torch.float32\n",
+      "        return super().fused_ok(fg)\n",
+      "tests/test_exact_adam.py -k half",
+      "fp16/bf16 SGD corrected by the packed kernel, whose rounding depends on an element's place in its parameter"),
+    M("exact-adam-tensor-lr-fused", "correction.py",
+      "fg.dtype == torch.float32 and not tensors and self._steps_on_host(fg)",
+      "fg.dtype == torch.float32 and self._steps_on_host(fg)",
+      T("tensor-lr-scheduler and (adam or adamw) and not fused"),
+      "Adam with a tensor lr corrected by the kernel, which computes its step size in double, torch in fp32"),
+    M("dsync-state-not-linked", "correction.py",
+      "                self._link(s.fg, s.step)\n", "                pass\n",
+      "tests/test_horovod_parity.py::test_horovods_optimizer_tests_pass_in_every_mode[dsync-2]",
+      "DSync's exact update leaves no optimizer state where this rank had no gradient and another had one: "
+      "the replicas' momentum differs (Horovod's test_force_allreduce, caught by the replica check)"),
     # -- join(): a GradScaler, DSync's late records (amp.py, optimizer.py, modes/dsync.py) -------------
     M("join-scaler-left-behind", "amp.py",
       "    scaler.step(opt)\n    scaler.update()\n", "    opt.step()\n",

@@ -198,13 +198,13 @@ def test_channels_last_parameters_keep_their_layout(one_rank, sync, make):
         if step % 2:
             opt.flush()
             for p, q in zip(a.parameters(), b.parameters()):
-                assert ulps(p, q) <= 2 * (step + 1), f"step {step}: {(p - q).abs().max():.3g}"
+                assert ulps(p, q) == 0, f"step {step}: {(p - q).abs().max():.3g}"
     opt.flush()
     for fg in opt.groups:
         for i, p in enumerate(fg.params):
             assert is_cl(p) and p.data_ptr() == fg.view(fg.param, i).data_ptr()
     for p, q in zip(a.parameters(), b.parameters()):
-        assert ulps(p, q) <= 10, (p - q).abs().max()
+        assert ulps(p, q) == 0, (p - q).abs().max()  # bitwise: the kernels are torch.optim's arithmetic
 
 
 def test_transposed_parameter_keeps_its_strides_and_a_state_dict_round_trip(one_rank):

@@ -336,6 +336,27 @@ class _Fused(Generic):
         """The per-parameter state a fused snapshot keeps as one number for the group."""
         return {}
 
+    def _new_scalars(self, step: float) -> dict:
+        """The per-parameter numbers of a state that update number ``step`` of a kernel created."""
+        return {}
+
+    def _link(self, fg: FlatGroup, step: float) -> None:
+        """After a kernel applied update number ``step`` to every parameter of ``fg``: each parameter's
+        state in the optimizer is its view of the flat buffers, created where it had none (the kernel
+        wrote it in the flat buffers only); the caller then puts back those the update must leave alone."""
+        st, flat = self.optimizer.state, self.flat.get(id(fg), {})
+        keys = self.state_keys(fg)
+        if not keys:  # a stateless update (SGD without momentum): torch.optim keeps no state either
+            return
+        for i, p in enumerate(fg.params):
+            if st.get(p) and all(k in st[p] for k in keys):
+                continue
+            ps = st.setdefault(p, {})
+            for k, v in self._new_scalars(step).items():
+                ps.setdefault(k, v)
+            for key in keys:
+                ps[key] = fg.view(flat[key], i)
+
     def correct(self, items):
         generic = [(s, a) for s, a in items if not isinstance(s, FusedSnapshot)]
         for s, avg in items:
@@ -345,6 +366,10 @@ class _Fused(Generic):
                     self.restore([held])
                     continue
                 self._set_count(s.fg, s.step)
+                flat = self.flat.setdefault(id(s.fg), {})
+                for key in self.state_keys(s.fg):  # no parameter of the group has state on this rank yet
+                    if key not in flat:
+                        flat[key] = torch.zeros_like(s.fg.param)
                 carried = s.carry and held is None  # computed in its own buffers, which then hold the new state
                 if carried or not self._correct_into(s, avg):
                     self._kernel(s.fg, s.param, avg, s.state, s.hyper, s.step)
@@ -353,6 +378,10 @@ class _Fused(Generic):
                                          s.numel // s.fg.block_size, positions=s.positions)
                     ops.merge_blocks(None, s.param, s.mask, s.fg.block_size, s.fg.param,
                                      s.numel // s.fg.block_size, positions=s.positions)
+                # every parameter the average brought a gradient to has its state now, as torch.optim
+                # would leave it, also one this rank's own gradient missed (no state from its provisional
+                # update here, while the ranks that had one have it)
+                self._link(s.fg, s.step)
                 if held is not None:
                     self.restore([held])
                 if carried:
@@ -484,6 +513,9 @@ class FusedAdam(_Fused):
 
     def _scalar_state(self, snap):
         return {"step": torch.tensor(float(snap.step) - 1.0, dtype=torch.get_default_dtype())}
+
+    def _new_scalars(self, step):
+        return {"step": torch.tensor(float(step), dtype=torch.get_default_dtype())}
 
     def _set_count(self, fg, step):
         for p in fg.params:

@@ -110,6 +110,16 @@ def run(case):
     everyone = comm.allgather_object(mine)
     if not all(torch.equal(a, b) for other in everyone for a, b in zip(other, mine)):
         return False, "replicas differ (I1)"
+    # the optimizer state too: every tensor of each parameter's state, by name (a state missing on some rank,
+    # or differing, makes the next steps diverge silently)
+    state = {n: {k: v.detach().clone() for k, v in env.opt.state[p].items() if torch.is_tensor(v)}
+             if p in env.opt.state else {} for n, p in env.model.named_parameters()}
+    for other in comm.allgather_object(state):
+        for n, st in state.items():
+            theirs = other.get(n, {})
+            if set(theirs) != set(st) or not all(torch.equal(st[k], theirs[k]) for k in st):
+                return False, (f"optimizer state of {n} differs between the ranks (I1): "
+                               f"{sorted(st)} here, {sorted(theirs)} there")
     logs = comm.allgather_object(log)
     ref = replay(case, logs)
     for i, (a, b) in enumerate(zip(mine, ref.model.parameters())):

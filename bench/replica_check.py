@@ -7,7 +7,7 @@ the check off (``check_replicas=0``) and with a check at every step (``check_rep
 so drift hits both alike; one check's cost is their difference, and the share at the default interval (1000 steps)
 is that divided by 1000 steps. Also the check alone (digest and collective, no training) timed directly.
 
-    python bench/replica_check.py [--steps 20] [--rounds 3] [--json bench/results/replica_check.json]
+    python bench/replica_check.py [--steps 10] [--rounds 2] [--json bench/results/replica_check.json]
 
 Run nothing else on the machine meanwhile (2 cores).
 """
@@ -29,7 +29,7 @@ import osp  # noqa: E402
 from bench.models import build  # noqa: E402
 
 DEFAULT_EVERY = 1000
-CONFIGS = [("mlp", 256, "sgd"), ("mlp", 256, "adamw"), ("resnet18", 32, "sgd")]
+CONFIGS = [("mlp", 256, "sgd"), ("mlp", 256, "adamw"), ("resnet18", 16, "sgd")]
 MODES = {"BSP": lambda: osp.BSP(), "OSP(0.25)": lambda: osp.OSP(critical=0.25)}
 
 
@@ -86,8 +86,8 @@ def worker(rank, size, store_path, args, out):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", default=os.path.join(ROOT, "bench", "results", "replica_check.json"))
     args = ap.parse_args(argv)
     ctx = mp.get_context("spawn")

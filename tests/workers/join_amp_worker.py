@@ -9,6 +9,7 @@ rank. argv: backend, outdir, modes (comma-separated).
 import sys
 
 import torch
+from join_data import batch, flat, model
 from ranks import check, expect_error, run_all, save, shutdown, start
 
 import osp
@@ -20,20 +21,6 @@ SYNCS = {"bsp": lambda: osp.BSP(), "osp-0.5": lambda: osp.OSP(critical=0.5, bloc
          "dsync-2": lambda: osp.DSync(delay=2), "hsp": lambda: osp.HSP(max_extra=0)}
 BATCHES = 4  # rank 0's; every later rank has 3 more
 AFTER = 4  # steps every rank trains after join(): the scale doubles twice in them (growth_interval=2)
-
-
-def model():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(6, 9), torch.nn.Tanh(), torch.nn.Linear(9, 3))
-
-
-def batch(r, k):
-    g = torch.Generator().manual_seed(1000 * r + k)
-    return torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
-
-
-def flat(m):
-    return torch.cat([p.detach().reshape(-1) for p in m.parameters()])
 
 
 def scaler_state(s):

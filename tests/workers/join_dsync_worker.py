@@ -8,6 +8,7 @@ import sys
 import time
 
 import torch
+from join_data import batch, flat, model
 from ranks import check, run_all, save, shutdown, start
 
 import osp
@@ -23,20 +24,6 @@ SLOW = 0.05  # seconds rank 1 sleeps before each of its steps (in the first roun
 
 def batches(r):
     return 3 + 5 * r
-
-
-def model():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(6, 9), torch.nn.Tanh(), torch.nn.Linear(9, 3))
-
-
-def batch(r, k):
-    g = torch.Generator().manual_seed(1000 * r + k)
-    return torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
-
-
-def flat(m):
-    return torch.cat([p.detach().reshape(-1) for p in m.parameters()])
 
 
 def replay(recorded, hsp):

@@ -7,6 +7,7 @@ is over the others' micro-batches. argv: backend, outdir, modes (comma-separated
 import sys
 
 import torch
+from join_data import batch, model
 from ranks import check, run_all, save, shutdown, start
 
 import osp
@@ -20,16 +21,6 @@ SYNCS = {"bsp": lambda: osp.BSP(), "osp-0.5": lambda: osp.OSP(critical=0.5, bloc
 
 def batches(r):
     return 2 + 2 * r
-
-
-def model():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(6, 9), torch.nn.Tanh(), torch.nn.Linear(9, 3))
-
-
-def batch(r, k):
-    g = torch.Generator().manual_seed(1000 * r + k)
-    return torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
 
 
 def grads(m, r, k):

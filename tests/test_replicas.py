@@ -3,6 +3,7 @@ start apart raise at the first step, a planted divergence is named within one ch
 passes every check (tests/workers/replicas_worker.py)."""
 import os
 
+import conformance as C
 import pytest
 import torch
 
@@ -22,6 +23,18 @@ def test_replicas_checked_at_runtime(launcher, backend, modes, tmp_path):
     results = launch.rank_results(tmp_path, 2, proc)
     names = {n for r in results for n in r["checks"]}
     assert len(names) == 7 * len(modes.split(",")), sorted(names)
+
+
+@pytest.mark.multiproc
+def test_a_parameter_one_rank_reaches_from_the_first_step(tmp_path):
+    """Every mode, 2 ranks: a branch only rank 1 takes, from step 0. DSync starts the bucket rank 0's backward
+    missed only at step(); a replica check at the step's start met rank 1's bucket there (Gloo aborted the
+    process: "240 vs 16"). Replicas and optimizer state must end bitwise equal."""
+    proc = launch.run("spawn", 2, [os.path.join(launch.HERE, "workers", "branch_worker.py"), "torch", str(tmp_path)],
+                      timeout=240)
+    launch.check(proc)
+    results = launch.rank_results(tmp_path, 2, proc)
+    assert len(results[0]["checks"]) == 2 * len([m for m in C.MODES if not m.endswith("closure")])
 
 
 def test_digest_sees_one_ulp_anywhere():

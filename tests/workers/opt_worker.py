@@ -298,8 +298,8 @@ def dsync(delay):
             train_step(model, opt, step, record=grads)
             sched.step()
         opt.flush()
-        # exact updates land at steps delay..STEPS-1, the rest in flush()
-        check(f"I1/{oname}/delay{delay}", len(digests) == STEPS - delay + 1 and all(len(set(d)) == 1 for d in digests),
+        # the first step (nothing in flight yet), exact updates landing at steps delay..STEPS-1, the rest in flush()
+        check(f"I1/{oname}/delay{delay}", len(digests) == STEPS - delay + 2 and all(len(set(d)) == 1 for d in digests),
               f"{len(digests)} sync points, {sum(len(set(d)) > 1 for d in digests)} differ")
         st = opt.stats()
         check(f"stats/{oname}/delay{delay}", st["delay"] == delay and st["steps"] == STEPS and (

@@ -131,6 +131,8 @@ class DSyncMode(Mode):
     def in_flight(self):
         return bool(self._inflight)
 
+    synced_in_step = True  # see step(): its buckets are all started only there
+
     @property
     def record_lag(self):
         # step t's record is read at step t + delay; with "auto" each rank has its own delay, at most max_delay
@@ -148,6 +150,11 @@ class DSyncMode(Mode):
         # a GradScaler's unscale_() already unscaled (those launched in backward are still scaled)
         scaled = len(self.buckets.launched) if inp.grads_changed else len(self.buckets.buckets)
         handles = list(self.buckets.launch(force=True))
+        if not self._inflight and (self.options.delay != "auto" or self.t == 0):
+            # nothing in flight: the replicas are exact, and every rank has started this step's buckets (a
+            # rank whose backward missed a parameter starts its bucket only just now: a check at the step's
+            # start would meet the others' bucket there)
+            ctx.on_synced()
         slot = self.t % self.slots
         handles.append(self._agree[slot].post(grads_edited=bool(inp.edited), params_edited=self._probe.edited()))
         # the provisional update uses this rank's own gradient, unscaled and clipped (by its own norm)

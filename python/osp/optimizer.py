@@ -31,7 +31,6 @@ from .comm import Comm, get_comm
 from .correction import unhooked_step
 from .modes.base import Clip, Context, Mode, StepInput
 from .modes.osp import OSP
-from .replicas import ReplicaCheck
 from .steplog import StepLog
 
 # optimizers built in this process, per set of ranks (``Comm.ranks_key``): names their collectives apart
@@ -145,7 +144,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for wire in {self._ctx.wire(fg) for fg in self.groups} - {None}:  # refused here, not at a step
             self.comm.check_dtype(wire, f"the wire of compression={compressor!r}")
         self.mode: Mode = sync.build(self._ctx)
-        self._replicas = ReplicaCheck(self._ctx, check_every)
+        self._replicas = replicas.ReplicaCheck(self._ctx, check_every)
         self._synced_calls = 0  # on_synced points so far (flush() makes one where the mode did not)
         if broadcast_parameters and not self.comm.elastic:  # under Horovod Elastic, State's sync() does it
             for k, fg in enumerate(self.groups):
@@ -498,7 +497,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.mode = self.sync.build(self._ctx)
         self.mode.load_state_dict(kept)  # and takes over the optimizer's state (flat buffers)
         self._acc.reset(self.mode)
-        self._replicas = ReplicaCheck(self._ctx, self._replicas.every)  # the next step is the first in this world
+        # the next step is the first in this world
+        self._replicas = replicas.ReplicaCheck(self._ctx, self._replicas.every)
         self._t_end = self._ctx.t_end = None
         self._ctx.arrivals = Arrivals(self.comm.rank)
 

@@ -13,5 +13,17 @@ def batch(r, k):
     return torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
 
 
+def train(m, opt, rank, n):
+    """Rank ``rank``'s first ``n`` steps on its own batches; returns the gradient each step handed to step()."""
+    mine = []  # this rank's own gradients (OSP: .grad holds them before the step)
+    for k in range(n):
+        opt.zero_grad()
+        x, y = batch(rank, k)
+        torch.nn.functional.mse_loss(m(x), y).backward()
+        mine.append([p.grad.clone() for p in m.parameters()])
+        opt.step()
+    return mine
+
+
 def flat(m):
     return torch.cat([p.detach().reshape(-1) for p in m.parameters()])

@@ -8,7 +8,7 @@ import sys
 import time
 
 import torch
-from join_data import batch, flat, model
+from join_data import batch, flat, model, train
 from ranks import check, run_all, save, shutdown, start
 
 import osp
@@ -47,13 +47,7 @@ def scenario(name):
                                        sync=SYNCS[name](), backend=comm, timeout=30)
         # rank 1 is slow at every step, its shadow steps in join() too (a step hook runs in every step())
         slow = opt.register_step_pre_hook(lambda *_: time.sleep(SLOW)) if rank == 1 else None
-        mine = []
-        for k in range(batches(rank)):
-            opt.zero_grad()
-            x, y = batch(rank, k)
-            torch.nn.functional.mse_loss(m(x), y).backward()
-            mine.append([p.grad.clone() for p in m.parameters()])
-            opt.step()
+        mine = train(m, opt, rank, batches(rank))
         opt.join()
         if slow is not None:
             slow.remove()

@@ -7,7 +7,7 @@ is over the others' micro-batches. argv: backend, outdir, modes (comma-separated
 import sys
 
 import torch
-from join_data import batch, model
+from join_data import batch, model, train
 from ranks import check, run_all, save, shutdown, start
 
 import osp
@@ -50,13 +50,7 @@ def scenario(name):
         m = model()
         opt = osp.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), m.named_parameters(),
                                        sync=SYNCS[name](), backend=comm, timeout=60)
-        mine = []  # this rank's own gradients (OSP: .grad holds them before the step)
-        for k in range(batches(rank)):
-            opt.zero_grad()
-            x, y = batch(rank, k)
-            torch.nn.functional.mse_loss(m(x), y).backward()
-            mine.append([p.grad.clone() for p in m.parameters()])
-            opt.step()
+        mine = train(m, opt, rank, batches(rank))
         opt.join()
         steps = len(opt.stats()["history"])
         flat = torch.cat([p.detach().reshape(-1) for p in m.parameters()])

@@ -253,7 +253,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self.mode.exact and not self.mode.synced_in_step:  # else at the mode's on_synced point
             self._replicas.run_if_due()
         average = self.mode.grad_is_average
-        scaler = amp.prepare(self, average, inp)
+        try:
+            scaler = amp.prepare(self, average, inp)
+        except ValueError:  # refused alike on every rank: first finish what backward started (none in flight)
+            self.mode.restart()
+            raise
         if not average:
             inp.edited = self._acc.edited(allowed=amp.allowed_changes(scaler, inp))
         try:

@@ -142,6 +142,11 @@ class DSyncMode(Mode):
     def step(self, inp: StepInput):
         ctx = self.ctx
         if inp.backward_scale is not None and self.options.delay == "auto":
+            # every rank with the scaler refuses here: finish the buckets backward started first, so that no
+            # collective is left in flight (a peer still in its backward would otherwise meet a rank that
+            # has moved on, or shut down)
+            self.buckets.launch(force=True)
+            self.restart()
             raise ValueError(
                 "osp: DSync(delay='auto') cannot take a GradScaler: each rank picks its own delay, so ranks "
                 "would learn of an overflow at different steps and their loss scales would drift apart. Use "

@@ -4,26 +4,32 @@ Every mode's per-step record (``osp.agreement``) carries, per rank, the millisec
 that rank's previous step to the moment it posted the record (HSP: to its "ready", before any extra
 micro-batch): the rank's own compute, with no collective added. The sum lands identical on every rank,
 so every rank keeps the same figures; ``Arrivals`` averages them. ``stats()`` reports each rank's mean
-arrival and its mean lag behind the earliest rank, and rank 0 warns once when one rank's median arrival
-over the last ``WINDOW`` steps is more than ``FACTOR`` times the median of the other ranks' medians (a
-rank persistently slower: a noisy neighbour, a throttled device, longer inputs; a median, so that a few
-slow steps, a checkpoint's or an evaluation's, do not count).
+arrival and its mean lag behind the earliest rank, and rank 0 warns once, at the user's line, when one rank
+is a straggler: over a full window of ``WINDOW`` steps its median arrival is more than ``FACTOR`` times the
+median of the other ranks' medians AND more than ``FLOOR_MS`` behind it, and it was that slow (both tests) in
+at least ``PERSIST`` of the window's steps. A median, so that a few slow steps (a checkpoint's, an evaluation's)
+do not count; the absolute floor and the persistence, so that the 1-3 ms of scheduling noise between two
+balanced ranks on a busy host (3 ms against 2 ms is 1.5x) is not called a straggler. The advice in the
+warning is the mode's (``Mode.straggler_advice``).
 """
 from __future__ import annotations
 
 import collections
 import statistics
-import warnings
 from typing import Deque, List, Optional, Sequence
+
+from .warn import warn
 
 
 class Arrivals:
-    WINDOW = 20  # steps the warning looks back on
-    MIN_STEPS = 5  # steps recorded before it may fire
+    WINDOW = 20  # steps the warning looks back on; it decides only on a full window
     FACTOR = 1.5  # slower than the median of the others by more than this
+    FLOOR_MS = 5.0  # and behind it by more than this
+    PERSIST = 0.8  # share of the window's steps where the rank was that slow
 
-    def __init__(self, rank: int):
-        self.rank = rank
+
+    def __init__(self, rank: int, advice: str = ""):
+        self.rank, self.advice = rank, advice
         self._reset(0)
         self._warned = False
         self._this_step = False  # a record was taken for the current step already
@@ -61,14 +67,12 @@ class Arrivals:
             self._warned = True
             if self.rank == 0:
                 r, ratio = slow
-                warnings.warn(
-                    f"osp: rank {r} is {ratio:.1f}x slower than the median of the other ranks (its median time "
-                    f"from one step to the next step's synchronization over the last {len(self._window)} steps: "
-                    f"{self._median_window(r):.0f} ms, the others' median {self._others_median(r):.0f} ms); every "
-                    "synchronous step waits for it. Check that rank's host and device (a noisy neighbour, a "
-                    "throttled GPU, a slower input pipeline); osp.HSP(max_extra=...) has the other ranks compute "
-                    "extra micro-batches meanwhile. This warning is shown once; stats()['arrivals'] has the figures",
-                    RuntimeWarning, stacklevel=2)
+                warn(f"osp: rank {r} is {ratio:.1f}x slower than the median of the other ranks (its median time "
+                     f"from one step to the next step's synchronization over the last {len(self._window)} steps: "
+                     f"{self._median_window(r):.0f} ms, the others' median {self._others_median(r):.0f} ms, slower "
+                     f"in {self._persistence(r):.0%} of those steps); every synchronous step waits for it. Check "
+                     "that rank's host and device (a noisy neighbour, a throttled GPU, a slower input pipeline); "
+                     f"{self.advice or 'see stats()'}. This warning is shown once; stats()['arrivals'] has the figures")
 
     def _median_window(self, r: int) -> float:
         """Rank ``r``'s median arrival over the window."""
@@ -77,15 +81,25 @@ class Arrivals:
     def _others_median(self, r: int) -> float:
         return statistics.median(self._median_window(o) for o in range(self.size) if o != r)
 
+    def _slower(self, mine: float, others: float) -> bool:
+        """The two tests: more than ``FACTOR`` times, and more than ``FLOOR_MS``, behind ``others``."""
+        return mine > self.FACTOR * others and mine - others > self.FLOOR_MS
+
+    def _persistence(self, r: int) -> float:
+        """The share of the window's steps where rank ``r`` was slower than the other ranks' median of that step."""
+        return sum(self._slower(a[r], statistics.median(x for o, x in enumerate(a) if o != r))
+                   for a in self._window) / max(len(self._window), 1)
+
     def slow_rank(self) -> Optional[tuple]:
-        """``(rank, how many times slower)`` of the slowest rank where it is persistently more than
-        ``FACTOR`` times slower than the median of the others over the window, else None."""
-        if self.size < 2 or len(self._window) < self.MIN_STEPS:
+        """``(rank, how many times slower)`` of the slowest rank where it is a straggler over a full window
+        (see the module docstring), else None."""
+        if self.size < 2 or len(self._window) < self.WINDOW:
             return None
         r = max(range(self.size), key=self._median_window)
-        others = self._others_median(r)
-        ratio = self._median_window(r) / others if others > 0 else float("inf")
-        return (r, ratio) if ratio > self.FACTOR else None
+        mine, others = self._median_window(r), self._others_median(r)
+        if self._slower(mine, others) and self._persistence(r) >= self.PERSIST:
+            return r, (mine / others if others > 0 else float("inf"))
+        return None
 
     def stats(self) -> dict:
         n = max(self.steps, 1)

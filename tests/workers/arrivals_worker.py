@@ -16,12 +16,13 @@ import ranks
 import torch
 
 import osp
+from osp.arrivals import Arrivals
 
 backend, outdir = sys.argv[1], sys.argv[2]
 comm = ranks.start(backend)
 rank, size = comm.rank, comm.size
 check = ranks.check
-FAST, SLOW, STEPS = 0.01, 0.06, 9
+FAST, SLOW, STEPS = 0.01, 0.06, Arrivals.WINDOW + 3  # it decides on a full window
 MODES = {"bsp": lambda: osp.BSP(), "osp": lambda: osp.OSP(critical=0.25, block_size=64),
          "osp-auto": lambda: osp.OSP(critical="auto", block_size=64), "dsync": lambda: osp.DSync(delay=2),
          "hsp-osp": lambda: osp.HSP(sync=osp.OSP(critical=0.25, block_size=64))}

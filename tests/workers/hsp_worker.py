@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 import osp
+from osp.arrivals import Arrivals
 
 backend, outdir = sys.argv[1], sys.argv[2]
 SYNC = sys.argv[3] if len(sys.argv) > 3 else "bsp"
@@ -119,7 +120,7 @@ def hsp_step(model, opt, step, delay, record=None):
 
 
 def straggler_run():
-    steps, resume_at = 10, 6
+    steps, resume_at = Arrivals.WINDOW + 6, Arrivals.WINDOW + 2  # the slow rank is named on a full window
     delay = SLOW if rank == SLOW_RANK else FAST
     model = mlp()
     opt = wrap(model, max_extra=6)
@@ -131,7 +132,7 @@ def straggler_run():
     for step in range(steps):
         if step == resume_at:  # I4: checkpoint, then continue in a new model and optimizer
             opt.flush()
-            # the slow rank, named: by every rank's stats, warned once on rank 0 (5 steps of arrivals)
+            # the slow rank, named: by every rank's stats, warned once on rank 0
             caught.__exit__(None, None, None)
             arrivals = opt.stats()["arrivals"]
             check("slow_rank_in_stats", arrivals["slow_rank"] == SLOW_RANK and arrivals["slower"] > 1.5

@@ -22,7 +22,6 @@ interface, as small as a DDP communication hook's or torchft's LocalSGD's: the m
 from __future__ import annotations
 
 import abc
-import warnings
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Tuple
 
@@ -33,6 +32,7 @@ from ..arrivals import Arrivals
 from ..comm import Comm
 from ..compression import Compression, Compressor, wire_dtype
 from ..layout import FlatGroup
+from ..warn import warn
 
 _CHECK_BLOCK = 1 << 16  # elements per block of the non-finite scan (spreads it over threads and CUDA blocks)
 
@@ -253,6 +253,9 @@ class Mode(abc.ABC):
         is the mode's own part of the checkpoint (``{}`` with a plain optimizer state dict)."""
         return None
 
+    #: what the slow-rank warning (``osp.arrivals``) advises under this mode
+    straggler_advice = "osp.HSP(max_extra=...) has the other ranks compute extra micro-batches meanwhile"
+
     def stats(self) -> dict:
         """Mode-specific figures for ``DistributedOptimizer.stats()``."""
         return {}
@@ -265,14 +268,13 @@ def warn_grad_edits(mode: Mode, edited: List[str]) -> None:
     if not edited or getattr(mode, "_warned_edits", False):
         return
     mode._warned_edits = True
-    warnings.warn(
+    warn(
         f"osp: the gradients of {len(edited)} parameter(s) (e.g. {edited[0]!r}) were changed in "
         f"place between backward() and step(), e.g. by torch.nn.utils.clip_grad_norm_. Under "
         f"{mode.options.name.upper()} .grad holds each rank's own gradient at that point, not the "
         "average, so such a change acts on every rank's gradient separately (e.g. clips each by its "
         "own norm). To clip by the norm of the averaged gradient, as under DDP, call "
-        "opt.clip_grad_norm_(max_norm) instead. This warning is shown once.",
-        RuntimeWarning, stacklevel=5)
+        "opt.clip_grad_norm_(max_norm) instead. This warning is shown once.")
 
 
 def edited_error(mode: str) -> RuntimeError:

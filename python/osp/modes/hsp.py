@@ -313,6 +313,13 @@ class HSPMode(Mode):
         margin = max(0.5 * mb, 2e-3) if self._t_synced is not None else max(0.5 * mb, 2e-2)
         return comm.done_within(ready, max(left, 0.0) + margin, max_pause=1e-4)
 
+    @property
+    def straggler_advice(self):
+        return (f"HSP already has the other ranks compute up to max_extra={self.options.max_extra} extra "
+                "micro-batches while they wait; where stats()['hsp']['passes_per_rank'] shows the fast ranks at "
+                "that limit, a larger max_extra "
+                "hides more of the wait")
+
     def stats(self) -> dict:
         t = self._totals
         out = self.inner.stats() if self.inner is not None else {}

@@ -69,7 +69,8 @@ def elastic(seed, faults, tmp, a):
     return timed("elastic", [
         hvd, "--gloo", "-np", "3", "--min-np", "1", "--max-np", "3", "--host-discovery-script", script,
         "--blacklist-cooldown-range", "1", "2", "--reset-limit", "10", sys.executable, "-m", "osp.train",
-        "--elastic", "--sync", "osp", "--epochs", str(a.epochs), "--commit-every", "10", "--seed", str(seed),
+        "--elastic", "--sync", "osp", "--critical", "0.25", "--epochs", str(a.epochs), "--commit-every", "10",
+        "--seed", str(seed),
         "--no-progress", "--json", out], faults, out)
 
 
@@ -77,7 +78,8 @@ def torchrun(seed, faults, tmp, a):
     out = os.path.join(tmp, "t.json")
     return timed("torchrun", [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        "--max-restarts", "2", "-m", "osp.train", "--sync", "osp", "--epochs", str(a.epochs), "--seed", str(seed),
+        "--max-restarts", "2", "-m", "osp.train", "--sync", "osp", "--critical", "0.25", "--epochs", str(a.epochs),
+        "--seed", str(seed),
         "--checkpoint-dir", os.path.join(tmp, "ck"), "--checkpoint-every", "8", "--no-progress", "--json", out],
         faults, out)
 

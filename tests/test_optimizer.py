@@ -724,3 +724,15 @@ def test_no_sync_after_the_steps_last_pass_is_refused(one_rank, sync):
         with opt.no_sync():
             with opt.no_sync():
                 pass
+
+
+def test_the_default_is_the_share_the_docs_advise():
+    """docs/modes.md advises starting with OSP(critical="auto") (on a fast link it settles on BSP); the default
+    mode, OSP(), and DistributedOptimizer without sync= are that, not a fixed share."""
+    assert osp.OSP().critical == "auto" and osp.OSP().min_critical == 0.05
+    model = tiny_model()
+    opt = osp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                   backend=OneRankComm())
+    assert opt.sync.critical == "auto"
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "modes.md")) as fh:
+        assert 'Start with `osp.OSP(critical="auto")`' in fh.read()

@@ -33,7 +33,9 @@ class OSP(Options):
             and the backward window, try the share whose stage 1 fits in backward, and keep it only if
             its steps are measurably faster than fully critical ones (otherwise every block stays
             critical: BSP with stage 1 during backward); settles by step ``warmup + 8`` and holds.
-            ``1.0`` is BSP.
+            ``"auto"`` is the default (the safe choice the docs advise: on a fast link it settles on
+            BSP). A fixed share, e.g. ``0.25``, averages that share first and defers the rest whatever the link; ``1.0``
+            is BSP.
         min_critical: floor on the critical share (the most important blocks always go first);
             default 0.05 with ``"auto"``, none with a fixed share.
         metric: block importance, ``"l2"``, ``"l1"``, ``"max"`` or ``"relative"`` (|g| / |w|).
@@ -50,7 +52,7 @@ class OSP(Options):
 
     name = "osp"
 
-    def __init__(self, critical=0.25, min_critical: Optional[float] = None, metric: str = "l2",
+    def __init__(self, critical="auto", min_critical: Optional[float] = None, metric: str = "l2",
                  block_size: int = 4096, warmup: int = 2, bucket_mb: float = 25.0, stage2_compression=None):
         if critical != "auto":
             if isinstance(critical, bool) or not isinstance(critical, (int, float)) or not (

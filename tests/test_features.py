@@ -16,7 +16,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def public_names():
     keywords = [n for n in inspect.signature(osp.DistributedOptimizer.__init__).parameters
                 if n not in ("self", "optimizer")]
-    members = [n for n in vars(osp.DistributedOptimizer) if not n.startswith("_")]
+    members = [n for klass in osp.DistributedOptimizer.__mro__ if klass.__module__.startswith("osp")
+               for n in vars(klass) if not n.startswith("_")]
     return set(keywords) | set(members) | (set(osp.__all__) - {"__version__"})
 
 

@@ -118,7 +118,7 @@ def test_op_sum_gradient_penalty_on_two_ranks(tmp_path):
     the update is the sum of both ranks' gradients (BSP; HSP with the fast rank's extra micro-batches: size
     times the mean of every micro-batch's), replayed with plain torch.optim. Also nn.Embedding(max_norm=...)
     under OSP and DSync: refused on both ranks at the same step. And a model channels_last on one rank only:
-    refused at construction on both."""
+    refused at construction on both. And model.state_dict() while corrections are in flight: warned once."""
     proc = launch.run("spawn", 2, [WORKER, str(tmp_path)], timeout=180)
     launch.check(proc)
     results = launch.rank_results(tmp_path, 2, proc)
@@ -128,7 +128,9 @@ def test_op_sum_gradient_penalty_on_two_ranks(tmp_path):
                  "hsp_sum/update_is_size_times_the_mean_of_every_micro_batch", "hsp_sum/the_fast_rank_ran_extras",
                  "embedding_max_norm/osp_refused", "embedding_max_norm/dsync_refused",
                  "embedding_max_norm/osp_same_step_everywhere", "embedding_max_norm/dsync_same_step_everywhere",
-                 "layout/disagreement_refused_everywhere", "layout/channels_last_replicas_equal"):
+                 "layout/disagreement_refused_everywhere", "layout/channels_last_replicas_equal",
+                 "state_dict/osp_warned_once_at_the_users_line", "state_dict/dsync_warned_once_at_the_users_line",
+                 "state_dict/bsp_not_warned", "state_dict/osp_not_warned_after_flush"):
         assert want in names, sorted(names)
 
 
@@ -276,3 +278,27 @@ def test_embedding_max_norm_is_refused_under_osp_and_dsync(one_rank, sync):
                                            r"or osp\.HSP\(\).*or drop max_norm and renormalize after opt\.flush\(\)"
                                            r".*the same rows on every rank: .*torch\.embedding_renorm_\("):
         embedding_steps(emb, opt, 4)
+
+
+# -- osp's warnings name the user's line, not osp's or torch's own ------------------------------------------------
+
+@pytest.mark.parametrize("sync", [osp.OSP(critical=0.25, block_size=8), osp.HSP()], ids=repr)
+def test_the_clip_warning_names_the_users_line(one_rank, sync):
+    """clip_grad_norm_ on .grad under OSP/HSP (each rank's own gradient): the warning points at the step() call
+    in this file (it pointed at torch/optim/optimizer.py, torch's step wrapper)."""
+    import inspect
+    import warnings
+    m = mlp()
+    opt = osp.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m.named_parameters(), sync=sync)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            opt.zero_grad()
+            F.mse_loss(m(torch.randn(4, 6)), torch.randn(4, 3)).backward()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.01)
+            line = inspect.currentframe().f_lineno + 1
+            opt.step()
+    opt.flush()
+    edits = [w for w in caught if "changed in place" in str(w.message)]
+    assert len(edits) == 1 and (edits[0].filename, edits[0].lineno) == (__file__, line), \
+        [(w.filename, w.lineno) for w in edits]

@@ -6,9 +6,8 @@ from collections import defaultdict
 
 import torch
 
-from .comm import get_comm
+from .comm import Comm, get_comm
 from .modes.hsp import in_extra_micro_batch
-from .optimizer import DistributedOptimizer
 
 
 def sync_buffers(module: torch.nn.Module, root_rank: int = 0, backend="auto") -> None:
@@ -74,7 +73,7 @@ def broadcast_optimizer_state(optimizer, root_rank: int = 0, backend="auto") -> 
     (call ``flush()`` first: its state must hold exact updates). A rank whose state is not made yet (no
     step so far) gets
     root's. The state tensors travel in place, on each rank's own device (``broadcast_state``)."""
-    if isinstance(optimizer, DistributedOptimizer):
+    if isinstance(getattr(optimizer, "comm", None), Comm):  # a DistributedOptimizer (no import: no cycle)
         # its state_dict() holds osp's own part too (OSP's scores and budget decide the next split)
         comm, device = optimizer.comm, optimizer.groups[0].device
     else:

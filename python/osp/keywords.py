@@ -1,4 +1,4 @@
-"""``hvd.DistributedOptimizer``'s keywords, with Horovod's meaning in osp (README, "Coming from Horovod").
+"""``hvd.DistributedOptimizer``'s keywords, with Horovod's meaning in osp (docs/horovod.md).
 
 ``DistributedOptimizer`` takes every keyword of Horovod 0.28's ``hvd.DistributedOptimizer``, so that
 switching is the one-line swap. This module validates them (a clear error naming what was expected and
@@ -20,9 +20,12 @@ what was got) and says what each becomes:
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+
+from .warn import warn
 
 AVERAGE, SUM = "average", "sum"
 
@@ -121,3 +124,77 @@ def backend_for(backend, process_set):
     from .comm import HorovodComm
 
     return HorovodComm(process_set)
+
+
+def check(optimizer, sync, op, gradient_predivide_factor, compression, groups, sparse_as_dense,
+          broadcast_parameters):
+    """Horovod's keywords (and ``broadcast_parameters``) of a ``DistributedOptimizer``, each a clear error naming
+    what was expected, before any engine is looked for; returns ``(Reduction, compressor)``."""
+    from .compression import resolve
+
+    red = reduction(op, gradient_predivide_factor)
+    if red.predivide != 1.0 and sync.name != "bsp":
+        raise ValueError(
+            f"osp: gradient_predivide_factor is for osp.BSP(), whose average is one allreduce of the "
+            f"gradients; with {sync!r} the average is assembled from parts (stage 1, the local estimate, "
+            "the corrections), which a pre- and postscale would not reach alike. Leave it at 1.0 or use "
+            "osp.BSP()")
+    compressor = resolve(compression)
+    check_groups(groups, optimizer)
+    for name, value in (("sparse_as_dense", sparse_as_dense), ("broadcast_parameters", broadcast_parameters)):
+        if not isinstance(value, bool):
+            raise ValueError(f"osp: {name} must be True or False, got {value!r}")
+    return red, compressor
+
+
+class HorovodSurface:
+    """What ``hvd.DistributedOptimizer`` has beyond ``torch.optim``'s surface, as code written for it uses it:
+    ``synchronize()`` / ``skip_synchronize()`` (with Horovod's warning for a step after ``synchronize()``
+    outside ``skip_synchronize()``) and ``_parameter_names``. A base of ``DistributedOptimizer``."""
+
+    _synchronized = False  # BSP: synchronize() ran since the last step (Horovod's warning)
+    _skip_synchronize = False
+
+    @property
+    def _parameter_names(self) -> dict:
+        """``{parameter: name}``, as Horovod's optimizer has it (names from ``named_parameters``, else
+        Horovod's ``allreduce.noname.<g>.<i>``)."""
+        return dict(self._signature[0])
+
+    def synchronize(self) -> None:
+        """BSP: make sure ``.grad`` holds the average (it does once the step's last backward pass has
+        returned); Horovod's contract, with ``skip_synchronize()``. OSP, DSync and HSP refuse it: their
+        average is only complete inside (or after) ``step()``, so an edit of ``.grad`` between the two
+        could not act on it; ``clip_grad_norm_`` is the exact alternative for clipping."""
+        self._acc.check_fresh()
+        if not self.mode.grad_is_average:
+            raise RuntimeError(
+                f"osp: synchronize() is for osp.BSP(): with {self.sync!r} the average gradient is only complete "
+                "inside step() (the deferred part arrives while the next step computes), so .grad cannot be "
+                "edited as the average between synchronize() and step(). To clip, replace Horovod's idiom "
+                "`opt.synchronize(); torch.nn.utils.clip_grad_norm_(params, max_norm); with "
+                "opt.skip_synchronize(): opt.step()` with `opt.clip_grad_norm_(max_norm); opt.step()`: the "
+                "step then applies exactly the averaged gradient clipped by its 2-norm. For other edits of "
+                "the average use osp.BSP()")
+        self.mode.synchronize()
+        self._synchronized = True
+
+    @contextmanager
+    def skip_synchronize(self):
+        """Horovod's ``with opt.skip_synchronize(): opt.step()`` after ``synchronize()``: the step applies
+        ``.grad`` as it is (BSP's average is finished once per step; ``step()`` never averages twice).
+        Without it, ``step()`` after ``synchronize()`` warns, as Horovod's does."""
+        self._skip_synchronize = True
+        try:
+            yield
+        finally:
+            self._skip_synchronize = False
+
+    def _check_synchronized(self) -> None:
+        """At ``step()``: Horovod's warning for a step after ``synchronize()`` outside ``skip_synchronize()``."""
+        if self._synchronized and not self._skip_synchronize:
+            warn("optimizer.step() called without optimizer.skip_synchronize() context after "
+                 "optimizer.synchronize(). This can cause training slowdown. You may want to consider "
+                 "using optimizer.skip_synchronize() context if you use optimizer.synchronize() in "
+                 "your code.", UserWarning)
+        self._synchronized = False

@@ -1,4 +1,5 @@
-"""``osp.lightning.OSPStrategy``: osp's optimizer under PyTorch Lightning's Trainer (``pip install osp[lightning]``).
+"""``osp.lightning.OSPStrategy``: osp's optimizer under PyTorch Lightning's Trainer (from a checkout:
+``pip install -e ".[lightning]"``; osp is not on PyPI).
 
     trainer = lightning.pytorch.Trainer(strategy=OSPStrategy(sync=osp.OSP(critical="auto")),
                                         accelerator="cpu", devices=2)
@@ -43,8 +44,8 @@ except ImportError:  # the unified package
         from lightning.pytorch.plugins.precision import MixedPrecision, Precision
         from lightning.pytorch.strategies import DDPStrategy
     except ImportError as e:
-        raise ImportError("osp.lightning needs PyTorch Lightning 2.x: pip install 'osp[lightning]' "
-                          "(or pytorch-lightning>=2.1)") from e
+        raise ImportError("osp.lightning needs PyTorch Lightning 2.x: pip install 'lightning>=2.1' (or "
+                          "pytorch-lightning>=2.1; from osp's checkout: pip install -e '.[lightning]')") from e
 
 from .broadcast import broadcast_optimizer_state, broadcast_parameters, sync_buffers
 from .modes import HSP

@@ -186,3 +186,9 @@ def check_model(optimizer: torch.optim.Optimizer, shape: tuple, groups: List[Fla
                 "was wrapped, so osp does not synchronize it (each rank would update it with its own "
                 "gradient). Wrap the optimizer with every parameter that will ever train trainable (freeze "
                 "it afterwards: a parameter whose gradient is None on every rank is left alone)")
+
+
+def model_order(groups, names) -> list:
+    """``(flat group, parameter index)`` of each parameter in the model's order (``names``)."""
+    where = {p: (k, i) for k, fg in enumerate(groups) for i, p in enumerate(fg.params)}
+    return [where[p] for p in names if p in where]

@@ -187,6 +187,34 @@ def layouts_disagree():
           and all(torch.equal(got, f) for f in comm.allgather_object(got)))
 
 
-run_all([layouts_disagree, sum_under_bsp, sum_under_hsp, embedding_max_norm])
+def provisional_state_dict():
+    """model.state_dict() between steps: under OSP and DSync (corrections in flight) the weights are provisional
+    and differ across ranks: warned once, at this file's line, naming flush(); after flush(), and under BSP
+    (exact between steps), not."""
+    import warnings
+    for name, sync, warned in (("osp", osp.OSP(critical=0.25, block_size=8), True), ("dsync", osp.DSync(delay=2), True),
+                               ("bsp", osp.BSP(), False)):
+        m = mlp()
+        opt = osp.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m.named_parameters(), sync=sync,
+                                       backend=comm, timeout=60)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(3):
+                x, y = batch(step, rank)
+                opt.zero_grad()
+                F.mse_loss(m(x), y).backward()
+                opt.step()
+                m.state_dict()
+            mid = [w for w in caught if "provisional" in str(w.message)]
+            opt.flush()
+            after = len(caught)
+            m.state_dict()
+        check(f"state_dict/{name}_warned_once_at_the_users_line" if warned else f"state_dict/{name}_not_warned",
+              (len(mid) == 1 and mid[0].filename == __file__ and "opt.flush()" in str(mid[0].message)) if warned
+              else not mid, [(w.filename, str(w.message)[:80]) for w in caught])
+        check(f"state_dict/{name}_not_warned_after_flush", len(caught) == after, len(caught) - after)
+
+
+run_all([layouts_disagree, sum_under_bsp, sum_under_hsp, embedding_max_norm, provisional_state_dict])
 save(outdir)
 shutdown("torch")

@@ -1,5 +1,6 @@
 """The documentation says what the repository does: README.md and docs/*.md checked against it.
 
+- README.md stays short: at most ``README_MAX_LINES`` lines.
 - Links: every relative link and image (``[text](path)``, ``[text](path#anchor)``, reference definitions,
   ``href=``/``src=`` in HTML) resolves to a file or folder inside the repository that git does not ignore
   (bench/out/ exists only after a run); an ``#anchor`` into a .md file names one of its headings by
@@ -591,7 +592,19 @@ IDS = [str(p.relative_to(ROOT)) for p in DOCS]
 def test_the_docs_exist():
     names = {p.name for p in DOCS}
     assert "README.md" in names and {"design.md", "api.md", "modes.md", "faults.md", "benchmarks.md",
-                                     "testing.md"} <= names, names
+                                     "testing.md", "plan.md", "horovod.md", "ddp.md", "lightning.md",
+                                     "accelerate.md", "compression.md", "works-with.md"} <= names, names
+
+
+README_MAX_LINES = 250  # a newcomer reads it in five minutes; the tables and recipes live in docs/
+
+
+def test_the_readme_is_short():
+    lines = (ROOT / "README.md").read_text().split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    assert len(lines) <= README_MAX_LINES, (
+        f"README.md has {len(lines)} lines, more than {README_MAX_LINES}: move detail into docs/")
 
 
 @pytest.mark.parametrize("path", DOCS, ids=IDS)

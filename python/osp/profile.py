@@ -1,20 +1,35 @@
 """Profile a model for ``osp.plan``: forward, backward, when each bucket's gradient is ready, each mode's own
-``step()`` time and the gradient bytes per bucket, measured on this device with one rank.
+``step()`` time and the gradient bytes per bucket, measured on this device with one rank, with the spread of
+every time, so a plan can tell a real difference from the host's noise.
 
-    python -m osp.profile --model mlp --batch 512 --out profile.json     # a bench model (bench/models.py)
+    python -m osp.profile --model mlp --batch 512 --out profile.json           # a model osp ships (below)
     python -m osp.profile --model mypkg.models:build --batch 32 --out profile.json
 
-``--model pkg.module:factory`` names a callable ``factory(batch) -> (model, loss_fn, batch)``. From Python,
-``osp.profile(model, loss_fn, batch)`` (``loss_fn(model, batch)`` returns the loss; the module is callable, and
-``osp.profile.profile`` is the same function) returns the profile as a dict and writes it as JSON with ``out=``.
-The user's model and optimizer are not touched: every measurement runs on a copy of the model, wrapped afresh
-per mode in ``osp.DistributedOptimizer`` on a one-rank process group (made here, and destroyed, when none exists).
+``--model`` is one of the models in the installed package (``MODELS``: ``mlp``, the throughput bench's MLP;
+``digits-mlp`` and ``digits-cnn``, ``osp.train``'s), so the command runs from any directory; or
+``pkg.module:factory``, a callable ``factory(batch) -> (model, loss_fn, batch)``; or, where the checkout's
+``bench/`` is importable (its root on ``sys.path``: the working directory of ``python -m``), another bench
+model (``resnet18``, ``gpt``: ``bench/models.py``). From Python, ``osp.profile(model, loss_fn, batch)``
+(``loss_fn(model, batch)`` returns the loss; the module is callable, and ``osp.profile.profile`` is the same
+function) returns the profile as a dict and writes it as JSON with ``out=``. The user's model and optimizer are
+not touched: every measurement runs on a copy of the model, wrapped afresh per mode in
+``osp.DistributedOptimizer`` on a one-rank process group (made here, and destroyed, when none exists).
 
-Measured (medians over ``steps`` after ``warmup``): per mode (``plain``: the wrapped optimizer alone, ``bsp``,
-``osp`` at ``critical=0.25``, ``dsync`` at ``delay=2``, ``hsp``) ``forward_s``, ``backward_s`` (the mode's
-hooks included) and ``step_s``; per bucket of osp's layout (``bucket_mb``) its ``bytes`` and ``ready_s``, the
-moment its last gradient lands, from the start of backward (under BSP's hooks); ``first_ready_s``, when the first
-gradient lands (``auto``'s backward window runs from it to the last).
+Measured: ``repeats`` repetitions, each running every mode afresh (``plain``: the wrapped optimizer alone,
+``bsp``, ``osp`` at ``critical=0.25``, ``dsync`` at ``delay=2``, ``hsp``; each repetition starts at the next
+mode, so a slow spell of the host does not fall on one mode only) for ``warmup`` untimed and ``steps`` timed
+iterations. Per mode, the median over every timed iteration of ``forward_s``, ``backward_s`` (the mode's hooks
+included), ``step_s`` and their sum ``iteration_s``; per bucket of osp's layout (``bucket_mb``) its ``bytes``
+and ``ready_s``, the moment its last gradient lands from the start of backward (under BSP's hooks);
+``first_ready_s``, when the first gradient lands (``auto``'s backward window runs from it to the last).
+
+The spread of each (``spread`` per mode and per bucket): the larger of the timed iterations' interquartile range
+and the range of the repetitions' medians, over the median; relative, so 0.1 reads "10%". The profile's
+``noise`` is the largest ``iteration_s`` spread (``noisiest``: whose; both ``None`` with one timed iteration a
+mode). Above ``osp.plan.NOISY`` (10%) the
+profile warns (``NoisyProfileWarning``): the host is busy, ``osp.plan`` will call modes that close a tie, and a
+profile taken again may recommend another mode; ``osp.plan`` refuses a profile noisier than ``osp.plan.EXTREME``
+(50%).
 """
 from __future__ import annotations
 
@@ -23,16 +38,24 @@ import copy
 import datetime
 import importlib
 import json
-import os
 import statistics
 import sys
 import time
 import types
-from typing import Callable, Optional
+import warnings
+from typing import Callable, Dict, List, Optional
 
 import torch
 
+from osp.plan import EXTREME, NOISY
+
 MODE_OPTIONS = {"bsp": "BSP()", "osp": "OSP(critical=0.25)", "dsync": "DSync(delay=2)", "hsp": "HSP()"}
+MODES = ("plain", "bsp", "osp", "dsync", "hsp")
+VERSION = 2  # 2: repetitions, the spread of every time and the profile's noise
+
+
+class NoisyProfileWarning(UserWarning):
+    """The profile's times varied more than ``osp.plan.NOISY``: the host was busy while it ran."""
 
 
 def _sync(name: str, bucket_mb: float):
@@ -72,6 +95,8 @@ def _new_optimizer(optimizer, params):
 
 
 def _time_mode(mode: str, model, loss_fn, batch, optimizer, steps: int, warmup: int, bucket_mb: float) -> dict:
+    """One repetition of ``mode``: its timed iterations' forward, backward and step (and under BSP, each bucket's
+    ready time and the first gradient's), one value per iteration."""
     import osp
 
     net = copy.deepcopy(model)
@@ -84,7 +109,7 @@ def _time_mode(mode: str, model, loss_fn, batch, optimizer, steps: int, warmup: 
                    for fg, lo, hi, ps in opt.mode.buckets.buckets]
         for p in net.parameters():
             p.register_post_accumulate_grad_hook(lambda p: landed.__setitem__(p, time.perf_counter()))
-    fwd, bwd, stp, ready, first = [], [], [], [], []
+    out = {"forward_s": [], "backward_s": [], "step_s": [], "ready_s": [], "first_ready_s": []}
     for i in range(warmup + steps):
         opt.zero_grad()
         landed.clear()
@@ -99,71 +124,166 @@ def _time_mode(mode: str, model, loss_fn, batch, optimizer, steps: int, warmup: 
             opt.step()
         t3 = time.perf_counter()
         if i >= warmup:
-            fwd.append(t1 - t0)
-            bwd.append(t2 - t1)
-            stp.append(t3 - t2)
-            if buckets:
-                ready.append([max(landed.get(p, t1) for p in b["params"]) - t1 for b in buckets])
-                first.append(min(landed.values(), default=t1) - t1)
+            out["forward_s"].append(t1 - t0)
+            out["backward_s"].append(t2 - t1)
+            out["step_s"].append(t3 - t2)
+            if buckets:  # every gradient lands before backward returns: each ready time is within its backward
+                out["ready_s"].append([max(landed.get(p, t1) for p in b["params"]) - t1 for b in buckets])
+                out["first_ready_s"].append(min(landed.values(), default=t1) - t1)
     if mode != "plain":
         opt.flush()
-    out = {"forward_s": statistics.median(fwd), "backward_s": statistics.median(bwd), "step_s": statistics.median(stp)}
-    if buckets:
-        out["buckets"] = [{"bytes": b["bytes"], "ready_s": statistics.median(r[k] for r in ready)}
-                          for k, b in enumerate(buckets)]
-        out["first_ready_s"] = statistics.median(first)
+    out["bytes"] = [b["bytes"] for b in buckets]
     del opt
     return out
 
 
+def _spread(reps: List[List[float]]) -> float:
+    """The larger of the interquartile range of every value and the range of the repetitions' medians, over the
+    median of every value (0 when it is 0)."""
+    values = [v for r in reps for v in r]
+    med = statistics.median(values)
+    if med <= 0:
+        return 0.0
+    iqr = 0.0
+    if len(values) >= 2:
+        q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+        iqr = q3 - q1
+    medians = [statistics.median(r) for r in reps if r]
+    return max(iqr, max(medians) - min(medians)) / med
+
+
+def _summary(reps: List[List[float]]):
+    return statistics.median(v for r in reps for v in r), _spread(reps)
+
+
 def profile(model: torch.nn.Module, loss_fn: Callable, batch, optimizer: Optional[torch.optim.Optimizer] = None,
-            out: Optional[str] = None, steps: int = 5, warmup: int = 2, bucket_mb: float = 25.0,
-            name: Optional[str] = None) -> dict:
-    """Measure ``model`` for ``osp.plan`` (module docstring); ``loss_fn(model, batch)`` returns the loss,
-    ``optimizer`` (default SGD with momentum) is rebuilt on the copies with its defaults."""
+            out: Optional[str] = None, steps: int = 3, warmup: int = 2, bucket_mb: float = 25.0,
+            name: Optional[str] = None, repeats: int = 3) -> dict:
+    """Measure ``model`` for ``osp.plan`` (module docstring): ``repeats`` repetitions of ``warmup`` untimed and
+    ``steps`` timed iterations of every mode; ``loss_fn(model, batch)`` returns the loss, ``optimizer``
+    (default SGD with momentum) is rebuilt on the copies with its defaults. Warns ``NoisyProfileWarning`` when
+    the profile's noise is above ``osp.plan.NOISY``."""
     if not callable(loss_fn):
         raise TypeError(f"osp.profile: loss_fn must be callable as loss_fn(model, batch), got {loss_fn!r}")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1 or warmup < 0:
-        raise ValueError(f"osp.profile: expected steps >= 1 and warmup >= 0, got steps={steps!r}, warmup={warmup!r}")
+    for key, value, least in (("steps", steps, 1), ("warmup", warmup, 0), ("repeats", repeats, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"osp.profile: expected an integer {key} >= {least}, got {key}={value!r}")
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("osp.profile: the model has no trainable parameters")
+    runs: Dict[str, List[dict]] = {m: [] for m in MODES}
     made = _one_rank_group()
     try:
-        modes = {m: _time_mode(m, model, loss_fn, batch, optimizer, steps, warmup, bucket_mb)
-                 for m in ("plain", "bsp", "osp", "dsync", "hsp")}
+        for r in range(repeats):
+            for m in MODES[r % len(MODES):] + MODES[:r % len(MODES)]:
+                runs[m].append(_time_mode(m, model, loss_fn, batch, optimizer, steps, warmup, bucket_mb))
     finally:
         if made:
             torch.distributed.destroy_process_group()
-    buckets = modes["bsp"].pop("buckets")
-    first_ready = modes["bsp"].pop("first_ready_s")
+    modes = {}
+    for m, reps in runs.items():
+        iteration = [[f + b + s for f, b, s in zip(r["forward_s"], r["backward_s"], r["step_s"])] for r in reps]
+        got = {k: _summary([r[k] for r in reps]) for k in ("forward_s", "backward_s", "step_s")}
+        got["iteration_s"] = _summary(iteration)
+        modes[m] = {**{k: v[0] for k, v in got.items()}, "spread": {k: v[1] for k, v in got.items()}}
+    bsp = runs["bsp"]
+    buckets = [{"bytes": nbytes, **dict(zip(("ready_s", "spread"), _summary([[it[k] for it in r["ready_s"]]
+                                                                               for r in bsp])))}
+               for k, nbytes in enumerate(bsp[0]["bytes"])]
+    noisiest = max(modes, key=lambda m: modes[m]["spread"]["iteration_s"])
+    noise = modes[noisiest]["spread"]["iteration_s"]
+    if repeats * steps < 2:  # one timed iteration a mode: no spread to see
+        noisiest = noise = None
     params = [p for p in model.parameters() if p.requires_grad]
-    result = {"version": 1, "model": name or type(model).__name__, "batch": _batch_size(batch),
+    result = {"version": VERSION, "model": name or type(model).__name__, "batch": _batch_size(batch),
               "params": sum(p.numel() for p in params), "bytes": sum(b["bytes"] for b in buckets),
               "device": str(params[0].device), "torch": torch.__version__, "threads": torch.get_num_threads(),
-              "steps": steps, "bucket_mb": bucket_mb, "buckets": buckets, "first_ready_s": first_ready,
-              "modes": modes,
+              "repeats": repeats, "steps": steps, "warmup": warmup, "noise": noise, "noisiest": noisiest,
+              "bucket_mb": bucket_mb, "buckets": buckets,
+              "first_ready_s": _summary([r["first_ready_s"] for r in bsp])[0], "modes": modes,
               "mode_options": {"plain": type(optimizer).__name__ if optimizer else "SGD(lr=0.01, momentum=0.9)",
                                **MODE_OPTIONS}}
     if out:
         with open(out, "w") as fh:
             json.dump(result, fh, indent=1)
+    if noise is not None and noise > NOISY:
+        warnings.warn(NoisyProfileWarning(noise_message(result)), stacklevel=2)
     return result
 
 
+def noise_message(p: dict) -> str:
+    """What a profile's noise means for a plan, in words."""
+    n, m = p["noise"], p["noisiest"]
+    med = 1e3 * p["modes"][m]["iteration_s"]
+    text = (f"osp.profile: the host is noisy: {m}'s iterations ({med:.1f} ms at the median) varied by {n:.0%} "
+            f"over {p['repeats']} repetitions of {p['steps']} (quiet: under {NOISY:.0%}). ")
+    if n > EXTREME:
+        return text + (f"osp.plan refuses a profile noisier than {EXTREME:.0%}: take it again on a quiet host (or "
+                       "with --threads below the free cores)")
+    return text + (f"osp.plan will call two modes a tie when their predictions overlap with every time ±{n:.0%}, "
+                   "and a profile taken again may recommend another mode; a quiet host (or --threads below the free "
+                   "cores) narrows it")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the models ``--model`` names: in the installed package, so the command runs from any directory
+
+def _mlp(batch: int):
+    """The throughput bench's MLP (``bench/models.py``'s ``mlp``, same weights and data): 1024 -> 2048 -> 2048 ->
+    1000, ReLU, cross-entropy on standard normal inputs; 8.4M parameters."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 2048),
+                                torch.nn.ReLU(), torch.nn.Linear(2048, 1000))
+    g = torch.Generator().manual_seed(0)
+    data = (torch.randn(batch, 1024, generator=g), torch.randint(0, 1000, (batch,), generator=g))
+    return model, _cross_entropy, data
+
+
+def _digits(make):
+    def factory(batch: int):
+        from osp import train
+
+        torch.manual_seed(0)
+        model = make(train)
+        g = torch.Generator().manual_seed(0)
+        return model, _cross_entropy, (torch.randn(batch, 1, 8, 8, generator=g),
+                                       torch.randint(0, 10, (batch,), generator=g))
+
+    return factory
+
+
+def _cross_entropy(model, batch):
+    return torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
+
+
+# the digits models on random 8x8 images (their timing does not depend on the values): DigitsMLP at width 32
+# (4.35M parameters), DigitsCNN with 64 channels (206K parameters, the stragglers bench's)
+MODELS = {"mlp": _mlp,
+          "digits-mlp": _digits(lambda train: train.DigitsMLP(width=32)),
+          "digits-cnn": _digits(lambda train: train.DigitsCNN(channels=64))}
+
+
 def _load_model(spec: str, batch: int):
-    """``(model, loss_fn, batch)`` for ``--model``: a bench model's name, or ``pkg.module:factory``."""
+    """``(model, loss_fn, batch)`` for ``--model``: one of ``MODELS``, ``pkg.module:factory``, or a bench model
+    where ``bench/`` is importable."""
     if ":" in spec:
         mod, _, attr = spec.partition(":")
-        return getattr(importlib.import_module(mod), attr)(batch)
-    sys.path.insert(0, os.getcwd())
-    try:
-        from bench.models import MODELS, build
-    except ImportError as e:
-        raise ValueError(f"osp.profile: --model {spec!r} is not pkg.module:factory and bench/models.py is not "
-                         f"importable from here ({e})") from None
-    if spec not in MODELS:
-        raise ValueError(f"osp.profile: unknown model {spec!r}; a bench model ({', '.join(MODELS)}) or "
-                         "pkg.module:factory")
+        try:
+            factory = getattr(importlib.import_module(mod), attr)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"--model {spec!r}: cannot load {attr!r} from {mod!r} ({e})") from None
+        return factory(batch)
+    if spec in MODELS:
+        return MODELS[spec](batch)
+    try:  # the checkout's other bench models, when its root is on sys.path (python -m puts the cwd there)
+        from bench.models import MODELS as BENCH
+        from bench.models import build
+    except ImportError:
+        BENCH, build = (), None
+    if spec not in BENCH:
+        where = (f"; in the checkout's bench: {', '.join(m for m in BENCH if m not in MODELS)}" if BENCH else
+                 " (bench/models.py's resnet18 and gpt only from the checkout's root)")
+        raise ValueError(f"unknown model {spec!r}: expected one of {', '.join(MODELS)}, or pkg.module:factory"
+                         + where)
     model, make_batch, lf = build(spec)
     return model, (lambda m, b: lf(m(b[0]), b[1])), make_batch(batch, torch.Generator().manual_seed(0))
 
@@ -171,25 +291,42 @@ def _load_model(spec: str, batch: int):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m osp.profile", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, help="a bench model (mlp, resnet18, gpt) or pkg.module:factory")
+    ap.add_argument("--model", required=True, help=f"one of {', '.join(MODELS)}, or pkg.module:factory "
+                    "(from the checkout's root also bench/models.py's resnet18 and gpt)")
     ap.add_argument("--batch", type=int, required=True, help="samples per rank and step")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=3, help="timed iterations per mode and repetition (default 3)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed iterations before them (default 2)")
+    ap.add_argument("--repeats", type=int, default=3, help="repetitions of every mode (default 3)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
     try:
         model, loss_fn, batch = _load_model(a.model, a.batch)
-        p = profile(model, loss_fn, batch, out=a.out, steps=a.steps, warmup=a.warmup, name=a.model)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", NoisyProfileWarning)
+            p = profile(model, loss_fn, batch, out=a.out, steps=a.steps, warmup=a.warmup, name=a.model,
+                        repeats=a.repeats)
     except (ValueError, TypeError, RuntimeError) as e:
-        print(f"osp.profile: {e}", file=sys.stderr)
+        msg = str(e)
+        print(msg if msg.startswith("osp.profile:") else f"osp.profile: {msg}", file=sys.stderr)
         return 2
     m = p["modes"]
+
+    def ms(mode, key):
+        return f"{1e3 * m[mode][key]:.1f} ms ±{m[mode]['spread'][key]:.0%}"
+
     print(f"{a.model}: {p['params']} parameters, {p['bytes'] / 2**20:.1f} MiB of gradient in {len(p['buckets'])} "
-          f"buckets; forward {1e3 * m['plain']['forward_s']:.1f} ms, backward {1e3 * m['plain']['backward_s']:.1f} ms; "
-          "step " + ", ".join(f"{k} {1e3 * v['step_s']:.1f} ms" for k, v in m.items()) + f" -> {a.out}")
+          f"buckets; forward {ms('plain', 'forward_s')}, backward {ms('plain', 'backward_s')}; step "
+          + ", ".join(f"{k} {1e3 * v['step_s']:.1f} ms" for k, v in m.items())
+          + ("; noise unknown (one timed iteration a mode)" if p["noise"] is None else
+             f"; noise {p['noise']:.0%} ({p['noisiest']})") + f" -> {a.out}")
+    for w in caught:
+        if issubclass(w.category, NoisyProfileWarning):
+            print(f"warning: {w.message}", file=sys.stderr)
+        else:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     return 0
 
 

@@ -8,7 +8,7 @@ CUDA_SRCS := $(wildcard csrc/cuda/*.cu)
 CUDA_CPP_SRCS := $(wildcard csrc/cuda/*.cpp)
 PYTEST_ARGS ?=
 
-.PHONY: install test test-only lint cuda-check gpu-check bench-kernels bench-accuracy bench-stragglers bench-stragglers-net bench-lightning bench-faults bench-plan bench-tta bench-compression demo bench stress-exit mutation conformance-random conformance-features clean
+.PHONY: install test test-only lint cuda-check gpu-check bench-kernels bench-accuracy bench-stragglers bench-stragglers-net bench-lightning bench-faults bench-plan bench-tta bench-compression demo check-slow-rank bench stress-exit mutation conformance-random conformance-features clean
 
 install:
 	@bash scripts/install.sh
@@ -147,13 +147,22 @@ BENCH_ARGS ?=
 bench: install
 	$(PY) bench/train_throughput.py $(BENCH_ARGS)
 
-# Quick start: BSP then OSP auto on 2 ranks behind a shaped 1 Gbit/s link (root: network namespaces and
-# tc; a 4.3M-parameter digits MLP, or DEMO_ARGS="--model cnn"), then a side-by-side table; elsewhere the
-# loopback demo under horovodrun, saying why. DEMO_ARGS="--epochs 3" for a shorter one, "--loopback" for
-# the loopback one.
+# Quick start. As root (network namespaces and tc): BSP then OSP auto on 2 ranks behind a shaped 1 Gbit/s link
+# (a 4.3M-parameter digits MLP, or DEMO_ARGS="--model cnn"), then a side-by-side table. Elsewhere it says so first
+# and emulates the link in user space instead (osp.train --link 1gbit: each collective takes at least its ring
+# allreduce's time at that rate, one at a time; not a real network): osp's BSP, OSP auto, DSync(2), Horovod's
+# optimizer and DDP, 3 runs each taking turns, their median samples/s with its range and their ratios to BSP and
+# DDP with their spread (about 4 minutes on 2 cores). DEMO_ARGS="--emulate" for the emulated one anywhere,
+# "--repeats 1" for a quicker one, "--latency 200us" to add latency, "--loopback" for plain loopback.
 DEMO_ARGS ?=
 demo: install
 	$(PY) scripts/demo.py $(DEMO_ARGS)
+
+# The slow-rank warning on real launches (bench/slow_rank_warning.py, about 5 minutes; run it alone): 20 balanced
+# 2-rank osp.train runs under torchrun, horovodrun --gloo and mpirun must warn 0 times, 6 with rank 1 2x slower
+# must name rank 1 every time.
+check-slow-rank: install
+	$(PY) bench/slow_rank_warning.py $(BENCH_ARGS)
 
 clean:
 	rm -rf build python/osp/*.so python/*.egg-info

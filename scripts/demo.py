@@ -1,15 +1,22 @@
 """`make demo`: a first look at osp. BSP, then OSP (``--critical auto``), on 2 ranks, side by side.
 
+Where links cannot be shaped (not root, no ``ip``/``tc``) it says so first, then emulates the link in user space
+(``osp.train --link``, ``osp.linkemu``: every collective completes no earlier than a ring allreduce of its bytes
+takes at ``--rate``, one at a time; not a real network) and runs the contenders side by side: osp's BSP, OSP
+auto, DSync(2), Horovod's optimizer (where horovodrun is installed) and DDP, ``--repeats`` times each, taking
+turns; the table gives each one's median samples/s with its range, and its ratio to BSP and to DDP with the
+ratio's spread (``osp.report``).
+
 Where it can (root, ``ip`` and ``tc`` present, network namespaces can be made), the two ranks run in
 network namespaces whose links are shaped to 1 Gbit/s (bench/netem), training a 4.3M-parameter digits
 MLP (``osp.train --model mlp --width 32``: 17 MB of gradient a step, so the network matters) at batch
 256 per rank, where a step computes about half as long as its allreduce takes; the table shows final
 accuracy, time to BSP's final accuracy and samples/s. ``--model cnn`` runs the 4M-parameter digits CNN
-(``--width 120``, batch 64) instead, whose compute is a fifth of its allreduce. Elsewhere it falls back
-to the small default model under ``horovodrun`` on loopback, and says why and what that table can and
-cannot show.
+(``--width 120``, batch 64) instead, whose compute is a fifth of its allreduce. ``--loopback`` runs the
+small default model under ``horovodrun`` on plain loopback, where there is little for OSP to hide.
 
-    python scripts/demo.py [--model mlp|cnn] [--epochs N] [--rate 1gbit] [--loopback]
+    python scripts/demo.py [--model mlp|cnn] [--epochs N] [--rate 1gbit] [--latency 0us] [--repeats 3]
+                           [--emulate | --loopback]
 """
 from __future__ import annotations
 
@@ -17,6 +24,8 @@ import argparse
 import json
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -138,26 +147,176 @@ def loopback(a, reason: str) -> int:
     return 0
 
 
+# the contenders of the emulated demo: osp.train's options and the engine each runs on
+EMULATED = {"bsp": (["--sync", "bsp"], "torch"), "osp-auto": (["--sync", "osp", "--critical", "auto"], "torch"),
+            "dsync-2": (["--sync", "dsync", "--delay", "2"], "torch"), "hvd": (["--sync", "hvd"], "horovod"),
+            "ddp": (["--sync", "ddp"], "torch")}
+
+
+def horovodrun_path():
+    exe = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+    return exe if os.path.exists(exe) else shutil.which("horovodrun")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(engine: str, argv: list, log: str, timeout: float) -> int:
+    """2 ranks of ``python -m osp.train ARGV``: under horovodrun --gloo (horovod), or started here as torchrun
+    --standalone would start them (torch: RANK, WORLD_SIZE, MASTER_ADDR/PORT; without torchrun's agent, a few
+    seconds less a run). Rank 0's output goes to ``log``; past ``timeout`` every rank is killed. The exit code."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    train = [sys.executable, "-m", "osp.train", *argv]
+    with open(log, "w") as out:
+        if engine == "horovod":
+            procs = [subprocess.Popen([horovodrun_path(), "--gloo", "-np", "2", "-H", "localhost:2", *train], cwd=ROOT,
+                                      env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)]
+        else:
+            port, procs = str(free_port()), []
+            for r in range(2):
+                e = dict(env, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+                procs.append(subprocess.Popen(train, cwd=ROOT, env=e, stdout=out if r == 0 else subprocess.DEVNULL,
+                                              stderr=subprocess.STDOUT, start_new_session=True))
+        deadline = time.monotonic() + timeout
+        codes = []
+        for p in procs:
+            try:
+                codes.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    if q.poll() is None:
+                        os.killpg(q.pid, signal.SIGKILL)
+                        q.wait()
+                return 124
+    return next((c for c in codes if c), 0)
+
+
+def emulated(a, reason: str) -> int:
+    """The contenders side by side behind a link emulated in user space (osp.train --link), ``a.repeats`` times
+    each, taking turns; then osp.report's table of medians, ranges and ratios."""
+    from bench.time_to_accuracy import apply_defaults  # per model: width, batch
+    from osp import linkemu
+    from osp.report import notes, steady_rate, table
+    from osp.train import build_model
+
+    spec = a.rate if not a.latency else f"{a.rate},{a.latency}"
+    try:
+        link = linkemu.parse_link(spec)
+    except ValueError as e:
+        say(f"demo: --rate/--latency: {e}")
+        return 2
+    say(f"No shaped network for this demo: {reason}.")
+    say(f"So the link is emulated in user space instead -- {link.describe()}.")
+    say("Every collective osp, Horovod's optimizer and DDP issue completes no earlier than a ring allreduce of its\n"
+        "bytes takes at that rate, one collective at a time; the ranks sleep meanwhile (no CPU spins), so compute\n"
+        "overlaps communication as it would on a real link. The collectives themselves run on loopback.\n"
+        "Real shaped links (tc, network namespaces; run this as root) are measured in docs/benchmarks.md:\n"
+        "'Demo' (OSP auto 1.38x BSP's samples/s behind 1 Gbit/s) and 'Throughput under a network bottleneck'.\n")
+    have_hvd = horovodrun_path() is not None
+    names = [c for c in a.contenders.split(",") if c]
+    unknown = [c for c in names if c not in EMULATED]
+    if unknown:
+        say(f"demo: unknown contender(s) {unknown}: of {','.join(EMULATED)}")
+        return 2
+    if "hvd" in names and not have_hvd:
+        names.remove("hvd")
+        say("(horovodrun not found: Horovod's optimizer is left out)")
+    # an epoch of the MLP is 2 steps at batch 256 on 2 ranks, of the CNN 9 at batch 64: evaluations at steps 10, 20
+    # and 30 (MLP) or 18 and 36 (CNN), the throughput counted from the first past step 10 (auto has settled)
+    epochs, every = (a.epochs or 15, a.eval_every or 5) if a.model == "mlp" else (a.epochs or 4, a.eval_every or 2)
+    apply_defaults(a)
+    params = sum(p.numel() for p in build_model(a.model, a.width, 16).parameters())
+    say(f"Model: the digits {a.model.upper()} widened to {params / 1e6:.2f}M parameters (--width {a.width}: "
+        f"{4 * params / 1e6:.0f} MB of gradient a step), batch {a.batch_size} per rank, 2 ranks, SGD momentum 0.9, lr "
+        f"{a.lr}, {epochs} epochs (evaluated every {every}), seed 0.\nContenders: {', '.join(names)}; {a.repeats} "
+        "runs each, taking turns. samples/s counts the steps after step 10 (OSP auto measures and tries shares "
+        "before), every contender alike.\n")
+    out_dir = a.out or os.path.join(RUNS, "demo-emulated")
+    os.makedirs(out_dir, exist_ok=True)
+    for old in os.listdir(out_dir):
+        if old.endswith((".json", ".log")):
+            os.remove(os.path.join(out_dir, old))
+    common = ["--model", a.model, "--width", str(a.width), "--batch-size", str(a.batch_size), "--epochs", str(epochs),
+              "--eval-every", str(every), "--lr", str(a.lr), "--link", spec, "--no-progress"]
+    results, failed, t_all = [], [], time.monotonic()
+    for rep in range(a.repeats):
+        for name in names:
+            opts, engine = EMULATED[name]
+            path = os.path.join(out_dir, f"{name}-{rep + 1}.json")
+            log = os.path.join(out_dir, f"{name}-{rep + 1}.log")
+            t0 = time.monotonic()
+            code = launch(engine, [*opts, "--backend", engine, *common, "--json", path], log, a.run_timeout)
+            dt = time.monotonic() - t0
+            if code != 0 or not os.path.exists(path):
+                failed.append(name)
+                tail = open(log).read().strip().splitlines()[-1:] if os.path.exists(log) else []
+                say(f"  {name} run {rep + 1}: failed (exit code {code}; {tail[0] if tail else 'no output'}; log: "
+                    f"{os.path.relpath(log, ROOT)})")
+                continue
+            with open(path) as fh:
+                r = json.load(fh)
+            results.append(r)
+            rate, steady = steady_rate(r)
+            say(f"  {name:9s} run {rep + 1}: {rate:6.0f} samples/s{'' if steady else ' (whole run)'}, test acc "
+                f"{100 * r['final_test_acc']:.2f}%  ({dt:.0f} s)")
+            if rep == 0:
+                for line in r.get("decisions") or []:
+                    if not line.startswith(("no slow rank", "arrivals")):
+                        say(f"      {line}")
+    say(f"\n({time.monotonic() - t_all:.0f} s in all; the runs' JSON and rank 0's logs: "
+        f"{os.path.relpath(out_dir, ROOT)}/; the table again: python -m osp.report "
+        f"{os.path.relpath(out_dir, ROOT)}/*.json)\n")
+    if not results:
+        return 1
+    say(table(results))
+    say()
+    for line in notes(results):
+        say("- " + line)
+    say(f"\nAll of the above: {link.describe()}, on one machine whose 2 cores the ranks share.\nFor real shaped "
+        "links see docs/benchmarks.md ('Demo', 'Throughput under a network bottleneck').")
+    return 1 if failed else 0
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--epochs", type=int, default=None, help="epochs per run (default behind the shaped link: 60 "
-                    "for the MLP, 12 for the CNN; osp.train's 15 on loopback)")
-    ap.add_argument("--rate", default="1gbit", help="the shaped link's rate")
-    ap.add_argument("--model", choices=["cnn", "mlp"], default="mlp", help="behind the shaped link: mlp "
+                    "for the MLP, 12 for the CNN; behind the emulated one: 15 for the MLP, 4 for the CNN; osp.train's "
+                    "15 on loopback)")
+    ap.add_argument("--rate", default="1gbit", help="the link's rate, shaped or emulated (bits, as tc writes them: "
+                    "1gbit, 100mbit)")
+    ap.add_argument("--model", choices=["cnn", "mlp"], default="mlp", help="behind a shaped or emulated link: mlp "
                     "(DigitsMLP, 4.35M parameters) or cnn (DigitsCNN, 4.02M)")
-    ap.add_argument("--width", type=int, default=None, help="behind the shaped link (default: 32 for the MLP, 120 "
-                    "for the CNN)")
-    ap.add_argument("--batch-size", type=int, default=None, help="per rank, behind the shaped link (default: 256 "
-                    "for the MLP, 64 for the CNN)")
-    ap.add_argument("--eval-every", type=int, default=None, help="evaluate every K epochs behind the shaped link "
-                    "(default: 5 for the MLP, 1 for the CNN)")
+    ap.add_argument("--width", type=int, default=None, help="behind a shaped or emulated link (default: 32 for the "
+                    "MLP, 120 for the CNN)")
+    ap.add_argument("--batch-size", type=int, default=None, help="per rank, behind a shaped or emulated link "
+                    "(default: 256 for the MLP, 64 for the CNN)")
+    ap.add_argument("--eval-every", type=int, default=None, help="evaluate every K epochs behind a shaped link "
+                    "(default: 5 for the MLP, 1 for the CNN) or an emulated one (5 for the MLP, 2 for the CNN)")
     ap.add_argument("--lr", type=float, default=0.1, help="behind the shaped link")
-    ap.add_argument("--loopback", action="store_true", help="the loopback demo even where links can be shaped")
+    ap.add_argument("--latency", default=None, help="emulated link: added latency per collective (e.g. 200us; "
+                    "default none, as the shaped link has)")
+    ap.add_argument("--repeats", type=int, default=3, help="emulated link: runs of each contender")
+    ap.add_argument("--contenders", default=",".join(EMULATED), help="emulated link: which, of "
+                    f"{','.join(EMULATED)}")
+    ap.add_argument("--run-timeout", type=float, default=300, help="emulated link: seconds a run may take")
+    ap.add_argument("--out", default=None, help="emulated link: where the runs' JSON and logs go (default: "
+                    "runs/demo-emulated)")
+    how = ap.add_mutually_exclusive_group()
+    how.add_argument("--emulate", action="store_true", help="the emulated link even where links can be shaped")
+    how.add_argument("--loopback", action="store_true", help="plain loopback (no emulated link), even where links "
+                     "can be shaped")
     a = ap.parse_args(argv)
+    if a.repeats < 1:
+        ap.error(f"--repeats must be >= 1, got {a.repeats}")
     sys.path.insert(0, ROOT)  # bench.netem, bench.time_to_accuracy
-    reason = "asked for with --loopback" if a.loopback else why_no_netem(a.rate)
+    if a.loopback:
+        return loopback(a, "asked for with --loopback")
+    reason = "asked for with --emulate" if a.emulate else why_no_netem(a.rate)
     if reason is not None:
-        return loopback(a, reason)
+        return emulated(a, reason)
     from bench.time_to_accuracy import apply_defaults  # per model: width, batch, epochs, --eval-every
 
     apply_defaults(a)

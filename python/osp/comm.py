@@ -17,7 +17,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from . import teardown
+from . import linkemu, teardown
 
 
 class Handle:
@@ -25,12 +25,13 @@ class Handle:
     ``Comm.wait`` / ``Comm.poll`` of the communicator that started it. Compressed (``wire``), ``tensor`` is
     the buffer on the wire and ``target`` the caller's tensor, which receives the result when it lands."""
 
-    __slots__ = ("tensor", "work", "done", "average", "name", "target", "resum")
+    __slots__ = ("tensor", "work", "done", "average", "name", "target", "resum", "due")
 
     def __init__(self, tensor: torch.Tensor, work: Any, average: bool = True, name: str = ""):
         self.tensor, self.work, self.done, self.average, self.name = tensor, work, False, average, name
         self.target: Optional[torch.Tensor] = None
         self.resum = False  # compressed: a sum was asked for, and the wire carried the average
+        self.due: Optional[float] = None  # an emulated link's end of this collective (osp.linkemu), if one
 
     @property
     def result(self) -> torch.Tensor:
@@ -84,6 +85,7 @@ class Comm(abc.ABC):
             h.done = True
             return h
         h.work = self._start(tensor, name, average_on_wire)
+        h.due = linkemu.reserve(tensor.numel() * tensor.element_size(), self.size)  # None: no emulated link
         inflight = self._handles()
         if not inflight:
             teardown.busy(self)  # completed at exit if nobody waits for it
@@ -113,6 +115,7 @@ class Comm(abc.ABC):
     def _finish(self, handle: Handle) -> torch.Tensor:
         if not handle.done:
             self._complete(handle)
+            linkemu.hold(handle.due)
             self._landed(handle)
         return handle.result
 
@@ -182,6 +185,7 @@ class Comm(abc.ABC):
                 f"osp: {what} on rank {self.rank} did not complete within {timeout:g} s; a "
                 "peer may have died or stalled (raise DistributedOptimizer(timeout=...) if "
                 "steps are legitimately this slow)")
+        linkemu.hold(handle.due)
         self._landed(handle)
         return handle.result
 
@@ -192,9 +196,11 @@ class Comm(abc.ABC):
         deadline = time.monotonic() + seconds
         pause = min(2e-5, max_pause)
         while not self.poll(handle):
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 return False
-            time.sleep(pause)
+            # behind an emulated link nothing lands before its end: sleep until then, not in short pauses
+            time.sleep(max(pause, min(linkemu.remaining(getattr(handle, "due", None)), deadline - now)))
             pause = min(pause * 2, max_pause)
         return True
 
@@ -269,7 +275,7 @@ class HorovodComm(Comm):
         return True
 
     def poll(self, handle):
-        return handle.done or bool(self.hvd.poll(handle.work))
+        return handle.done or (linkemu.passed(handle.due) and bool(self.hvd.poll(handle.work)))
 
     def active(self):
         return bool(self.hvd.is_initialized())
@@ -394,7 +400,7 @@ class TorchComm(Comm):
         self.group = _RELEASED
 
     def poll(self, handle):
-        return handle.done or handle.work.is_completed()
+        return handle.done or (linkemu.passed(handle.due) and handle.work.is_completed())
 
     def active(self):
         return self.dist.is_initialized()

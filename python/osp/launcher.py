@@ -3,11 +3,53 @@ from __future__ import annotations
 
 import datetime
 import os
-from typing import Optional
+from typing import Mapping, Optional, Tuple
 
 import torch
 
 from .comm import Comm, HorovodComm, TorchComm
+
+# the rank an MPI launcher gives each process: Open MPI (OMPI_COMM_WORLD_RANK, and PMIX_RANK from its PMIx), MPICH
+# and Intel MPI (PMI_RANK), MVAPICH (MV2_COMM_WORLD_RANK)
+MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
+
+
+def detect_backend(env: Optional[Mapping[str, str]] = None) -> Tuple[str, str]:
+    """Which engine the launcher that started this process means, and why: ``("horovod" | "torch" | "single",
+    reason)``.
+
+    - ``horovodrun --gloo`` sets ``HOROVOD_RANK``: horovod.
+    - torchrun (or a prepared ``env://``) sets ``RANK``: torch.
+    - Under MPI (``horovodrun`` without ``--gloo`` runs ``mpirun``, which sets no ``HOROVOD_*`` variable; plain
+      ``mpirun``): horovod where horovodrun launched it (its Open MPI settings ``pml ob1``, ``btl ^openib`` reach
+      the ranks as ``OMPI_MCA_pml`` / ``OMPI_MCA_btl``); torch where ``MASTER_ADDR`` is set (an address for
+      torch.distributed's rendezvous, as ``mpirun -x MASTER_ADDR`` passes it); else horovod if it was built with
+      MPI (MPI itself then brings the ranks together), else torch.
+    - Nothing of these: one process (``single``)."""
+    env = os.environ if env is None else env
+    if "HOROVOD_RANK" in env or "HOROVOD_HOSTNAME" in env:
+        return "horovod", "horovodrun (Gloo) set HOROVOD_RANK"
+    if "RANK" in env:
+        return "torch", "RANK is set (torchrun)"
+    mpi = next((k for k in MPI_RANK_VARS if k in env), None)
+    if mpi is None:
+        return "single", "no launcher: one process"
+    if env.get("OMPI_MCA_pml") == "ob1" and env.get("OMPI_MCA_btl") == "^openib":
+        return "horovod", f"horovodrun over MPI ({mpi} and horovodrun's Open MPI settings are set)"
+    if "MASTER_ADDR" in env:
+        return "torch", f"mpirun ({mpi} is set) with MASTER_ADDR for torch.distributed"
+    if _horovod_mpi_built():
+        return "horovod", f"mpirun ({mpi} is set), no MASTER_ADDR for torch.distributed: Horovod over MPI"
+    return "torch", f"mpirun ({mpi} is set); this Horovod has no MPI, so torch.distributed"
+
+
+def _horovod_mpi_built() -> bool:
+    try:
+        import horovod.torch as hvd
+
+        return bool(hvd.mpi_built())
+    except Exception:  # noqa: BLE001 - not installed, or broken: then not Horovod
+        return False
 
 
 def init_from_env(backend: str, timeout_s: Optional[float] = None, device="cpu") -> Comm:
@@ -39,6 +81,9 @@ def init_from_env(backend: str, timeout_s: Optional[float] = None, device="cpu")
             env["RANK"] = env["OMPI_COMM_WORLD_RANK"]
             env["WORLD_SIZE"] = env["OMPI_COMM_WORLD_SIZE"]
             env["LOCAL_RANK"] = env.get("OMPI_COMM_WORLD_LOCAL_RANK", "0")
+        elif "RANK" not in env and "PMI_RANK" in env and "PMI_SIZE" in env:  # MPICH, Intel MPI
+            env["RANK"], env["WORLD_SIZE"] = env["PMI_RANK"], env["PMI_SIZE"]
+            env["LOCAL_RANK"] = env.get("MPI_LOCALRANKID", "0")
         env.setdefault("MASTER_ADDR", "127.0.0.1")
         env.setdefault("MASTER_PORT", "29500")
         # the engine follows the model, not the machine: a CPU model on a GPU host still needs Gloo

@@ -96,14 +96,14 @@ def parse_bandwidth(text: str) -> float:
     m = _RATE.fullmatch(low)
     if not m:
         if _BYTES.fullmatch(low.replace(" ", "")):
-            raise ValueError(f"osp.plan: got {raw!r}: write a link rate in bits per second with 'bit', as tc writes it "
+            raise ValueError(f"got {raw!r}: write a link rate in bits per second with 'bit', as tc writes it "
                              "(1gbit, 400mbit, 25Gbit/s). 'bps', 'b/s' and 'B/s' are refused, not guessed: tc reads "
                              "'1gbps' as 1 gigaBYTE per second (8 Gbit/s), network specifications as 1 gigabit")
-        raise ValueError(f"osp.plan: a bandwidth is a rate in bits per second as tc writes it (1gbit, 400mbit, "
+        raise ValueError(f"a link rate is a number of bits per second as tc writes it (1gbit, 400mbit, "
                          f"25Gbit/s, 10kbit), got {raw!r}")
     value = float(m.group(1)) * _PREFIX[m.group(2) or ""]
     if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"osp.plan: a bandwidth must be positive, got {raw!r}")
+        raise ValueError(f"a link rate must be positive, got {raw!r}")
     return value
 
 

@@ -5,6 +5,8 @@ digits, data-parallel on N ranks.
     torchrun --nproc-per-node 2 -m osp.train --sync osp --critical auto --backend torch
     torchrun --nproc-per-node 2 -m osp.train --sync hsp --straggler 1:2   # rank 1 computes 2x slower
     python -m osp.train --sync bsp                # one process, for a quick look
+    torchrun --nproc-per-node 2 -m osp.train --model mlp --width 32 --batch-size 256 --link 1gbit  # a slow link,
+                                                  # emulated in user space (osp.linkemu; not a real network)
 
 ``--sync`` picks the optimizer wrapper: ``bsp`` / ``osp`` / ``dsync`` / ``hsp``
 (osp.DistributedOptimizer), ``hvd`` (horovod.torch.DistributedOptimizer) or ``ddp`` (torch
@@ -13,7 +15,10 @@ stratified, random_state=0); every rank reads micro-batches from its own shard o
 shuffle, then of the next epoch's. An epoch is one pass's worth of samples over all ranks: a fixed
 number of steps, except under HSP, where ranks that are ahead compute extra micro-batches (drawn from
 their own shard) and the epoch ends when the data is used up. ``--straggler RANK:FACTOR`` makes one
-rank's compute FACTOR times slower. Rank 0 shows progress and writes ``--json``.
+rank's compute FACTOR times slower. ``--link RATE[,LATENCY]`` makes every collective of the job (osp's,
+Horovod's optimizer's, DDP's) take at least as long as a ring allreduce of its bytes behind such a link
+(``osp.linkemu``: user space, not a real network). Rank 0 shows progress, says at the end what each mode
+decided (OSP ``auto``'s share and why, DSync's delay, a slow rank) and writes ``--json``.
 """
 from __future__ import annotations
 
@@ -28,7 +33,8 @@ import torch
 import torch.nn.functional as F
 
 import osp
-from osp.launcher import init_from_env
+from osp import linkemu
+from osp.launcher import detect_backend, init_from_env
 
 
 def load_digits_split(seed_split: int = 0):
@@ -82,15 +88,6 @@ def build_model(name: str, width: int = 1, channels: int = 16) -> torch.nn.Modul
     if name == "mlp":
         return DigitsMLP(width)
     raise ValueError(f"model: expected 'cnn' or 'mlp', got {name!r}")
-
-
-def detect_backend() -> str:
-    env = os.environ
-    if "HOROVOD_RANK" in env or "HOROVOD_HOSTNAME" in env:
-        return "horovod"
-    if "RANK" in env or "OMPI_COMM_WORLD_RANK" in env:
-        return "torch"
-    return "single"
 
 
 def init(backend: str, device: str = "cpu"):
@@ -150,11 +147,18 @@ def make_optimizer(args, model, comm, backend):
         if args.compression == "bf16":
             raise ValueError("--compression bf16: Horovod 0.28.1 has no bfloat16 collectives")
         compression = hvd.Compression.fp16 if args.compression == "fp16" else hvd.Compression.none
+        link = getattr(args, "link", None)
+        if link is not None:  # its allreduce_async_ and synchronize, as its optimizer calls them
+            linkemu.emulate_horovod_optimizer(link)
         return model, hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
                                                compression=compression)
     if args.sync == "ddp":
         ddp = torch.nn.parallel.DistributedDataParallel(model)
-        register_ddp_compression(ddp, args.compression)
+        link = getattr(args, "link", None)
+        if link is not None:  # DDP's own hook (compressed or not), completing behind the emulated link
+            ddp.register_comm_hook(None, linkemu.ddp_hook(link, args.compression))
+        else:
+            register_ddp_compression(ddp, args.compression)
         inner = type(inner)(ddp.parameters(), **inner.defaults)
         return ddp, inner
     raise ValueError(f"unknown --sync {args.sync!r}")
@@ -549,54 +553,146 @@ def run_elastic(job: Job, pos: dict, fault: Faults) -> dict:
     return train(state)
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sync", choices=["bsp", "osp", "dsync", "hsp", "hvd", "ddp"], default="osp")
-    ap.add_argument("--critical", default="0.25", help="OSP critical share in [0,1] or 'auto'")
-    ap.add_argument("--min-critical", type=float, default=0.05)
-    ap.add_argument("--delay", default="2", help="DSync delay: an integer >= 1 or 'auto'")
-    ap.add_argument("--max-delay", type=int, default=4, help="DSync: the largest delay 'auto' may choose")
-    ap.add_argument("--max-extra", type=int, default=4, help="HSP: extra micro-batches a rank may compute a step")
+class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module's docstring as written, and every flag's default (where it has one: not for None)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or isinstance(action.default, bool) or action.default == []:
+            return action.help
+        return super()._get_help_string(action)
+
+
+class _Parser(argparse.ArgumentParser):
+    """A bad option is one line on stderr (exit code 2), not the usage text and the message beneath it."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _number(text: str, kind, lo=None, hi=None, auto: bool = False, what: str = ""):
+    """``text`` as ``kind`` within [lo, hi] (or 'auto' where allowed); argparse's error otherwise."""
+    if auto and text == "auto":
+        return text
+    try:
+        v = kind(text)
+    except (TypeError, ValueError):
+        v = None
+    if v is None or v != v or (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise argparse.ArgumentTypeError(f"must be {what}{' or ' + repr('auto') if auto else ''}, got {text!r}")
+    return v
+
+
+def share_or_auto(text: str) -> str:
+    """``--critical``: a number in [0, 1] or 'auto' (kept as written: checkpoints compare it as text)."""
+    _number(text, float, 0.0, 1.0, auto=True, what="a number in [0, 1]")
+    return text
+
+
+def delay_or_auto(text: str) -> str:
+    """``--delay``: an integer >= 1 or 'auto' (kept as written)."""
+    if text != "auto" and not text.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1 or 'auto', got {text!r}")
+    _number(text, int, 1, auto=True, what="an integer >= 1")
+    return text
+
+
+def int_from(lo: int):
+    def parse(text):
+        return _number(text, int, lo, what=f"an integer >= {lo}")
+    parse.__name__ = f"int_from_{lo}"
+    return parse
+
+
+def float_in(lo: float, hi=None, what: str = ""):
+    def parse(text):
+        return _number(text, float, lo, hi, what=what or f"a number >= {lo:g}")
+    parse.__name__ = "float_in"
+    return parse
+
+
+def link_arg(text: str) -> "linkemu.Link":
+    try:
+        return linkemu.parse_link(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _valid_latency(ap, text: str) -> bool:
+    try:
+        linkemu.parse_latency(text)
+    except ValueError as e:
+        ap.error(f"argument --latency: {e}")
+    return True
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog="osp.train", description=__doc__, formatter_class=_Help)
+    ap.add_argument("--sync", choices=["bsp", "osp", "dsync", "hsp", "hvd", "ddp"], default="osp",
+                    help="bsp / osp / dsync / hsp: osp.DistributedOptimizer with that mode; hvd: "
+                    "horovod.torch.DistributedOptimizer; ddp: torch DistributedDataParallel")
+    ap.add_argument("--critical", type=share_or_auto, default="auto",
+                    help="OSP: the share of gradient blocks averaged before each update, a number in [0, 1], or "
+                    "'auto' (osp.OSP()'s default: measure the link and the backward, try shares, keep the fastest)")
+    ap.add_argument("--min-critical", type=float_in(0.0, 1.0, "a number in [0, 1]"), default=0.05,
+                    help="OSP: the least share of each bucket kept critical")
+    ap.add_argument("--delay", type=delay_or_auto, default="2",
+                    help="DSync: how many steps late the average arrives, an integer >= 1, or 'auto'")
+    ap.add_argument("--max-delay", type=int_from(1), default=4, help="DSync: the largest delay 'auto' may choose")
+    ap.add_argument("--max-extra", type=int_from(0), default=4,
+                    help="HSP: extra micro-batches a rank may compute a step")
     ap.add_argument("--hsp-sync", choices=["bsp", "osp", "dsync"], default="bsp",
                     help="HSP: what synchronizes the gradient once every rank is ready (osp: with --critical, "
                     "dsync: with --delay): stragglers and a slow network hidden at once")
     ap.add_argument("--straggler", default=None, metavar="RANK:FACTOR",
                     help="make RANK's compute FACTOR times slower (a sleep of FACTOR-1 times its measured "
                          "micro-batch compute, between forward and backward)")
+    ap.add_argument("--link", type=link_arg, default=None, metavar="RATE[,LATENCY]",
+                    help="emulate a slow link in user space (osp.linkemu; not a real network): every collective "
+                    "of the job takes at least LATENCY + 2(n-1)/n * 8 * bytes / RATE, one at a time; RATE in bits "
+                    "as tc writes it (1gbit, 100mbit, 10gbit), LATENCY per collective (200us, 1ms; default 0)")
+    ap.add_argument("--latency", default=None, metavar="LATENCY",
+                    help="with --link RATE: its latency per collective (200us, 1ms; a bare number is microseconds, "
+                    "as osp.plan's --latency), the same as --link RATE,LATENCY")
     ap.add_argument("--compression", choices=["none", "fp16", "bf16", "powersgd"], default="none",
                     help="what the gradients travel as (osp.Compression; hvd: Compression.fp16; ddp: its fp16/bf16 "
                     "compress hook, or powersgd: its PowerSGD hook, rank 4 with error feedback, --sync ddp only)")
     ap.add_argument("--stage2-compression", choices=["none", "fp16", "bf16"], default=None,
                     help="OSP: what the deferred blocks travel as (default: as --compression)")
-    ap.add_argument("--block-size", type=int, default=512)
-    ap.add_argument("--metric", default="l2")
-    ap.add_argument("--epochs", type=int, default=15)
-    ap.add_argument("--eval-every", type=int, default=1, metavar="K",
+    ap.add_argument("--block-size", type=int_from(1), default=512,
+                    help="OSP: gradient elements per block (the unit of the critical/deferred split)")
+    ap.add_argument("--metric", choices=["l2", "l1", "max", "relative"], default="l2",
+                    help="OSP: block importance (sum of squares, sum of |g|, max |g|, or |g| / |w|)")
+    ap.add_argument("--epochs", type=int_from(1), default=15, help="passes over the training data")
+    ap.add_argument("--eval-every", type=int_from(1), default=1, metavar="K",
                     help="evaluate every K epochs and after the last (each evaluation first finishes osp's work "
                     "in flight, so that every rank's replica is exact)")
-    ap.add_argument("--batch-size", type=int, default=32, help="per rank")
-    ap.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
-    ap.add_argument("--lr", type=float, default=0.05)
-    ap.add_argument("--weight-decay", type=float, default=0.0)
+    ap.add_argument("--batch-size", type=int_from(1), default=32, help="micro-batch per rank")
+    ap.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd",
+                    help="the wrapped optimizer (sgd: momentum 0.9)")
+    ap.add_argument("--lr", type=float_in(0.0), default=0.05, help="learning rate")
+    ap.add_argument("--weight-decay", type=float_in(0.0), default=0.0, help="weight decay")
     ap.add_argument("--model", choices=["cnn", "mlp"], default="cnn", help="cnn: DigitsCNN; mlp: DigitsMLP, "
                     "two hidden layers of 64*width")
-    ap.add_argument("--width", type=int, default=1, help="multiplies the hidden layer (model size)")
-    ap.add_argument("--channels", type=int, default=16, help="channels of the first conv layer (compute; cnn)")
-    ap.add_argument("--backend", choices=["auto", "horovod", "torch"], default="auto")
+    ap.add_argument("--width", type=int_from(1), default=1, help="multiplies the hidden layer (model size)")
+    ap.add_argument("--channels", type=int_from(1), default=16,
+                    help="channels of the first conv layer (compute; cnn)")
+    ap.add_argument("--backend", choices=["auto", "horovod", "torch"], default="auto",
+                    help="the engine: auto follows the launcher (horovodrun, with or without --gloo: horovod; "
+                    "torchrun: torch; mpirun: horovod, or torch where MASTER_ADDR is set)")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                     help="where the model lives (cuda: the GPU of each rank's local rank; NCCL with torch)")
-    ap.add_argument("--stop-at-acc", type=float, default=None, metavar="ACC",
+    ap.add_argument("--stop-at-acc", type=float_in(0.0, 1.0, "a fraction in [0, 1]"), default=None, metavar="ACC",
                     help="stop after the first epoch whose test accuracy (a fraction) reaches ACC")
     ap.add_argument("--elastic", action="store_true",
                     help="run under Horovod Elastic (horovodrun --min-np/--max-np --host-discovery-script): "
                          "ranks may fail, leave and join; osp/bsp/dsync")
-    ap.add_argument("--commit-every", type=int, default=10, metavar="N",
+    ap.add_argument("--commit-every", type=int_from(1), default=10, metavar="N",
                     help="--elastic: commit the state every N steps (and at each epoch's end); a failure "
                          "redoes at most the steps since the last commit")
     ap.add_argument("--checkpoint-dir", default=None, metavar="DIR",
                     help="save checkpoints here (atomically; the newest two are kept) and, started again with "
                          "the same DIR (e.g. by torchrun --max-restarts), resume from the newest good one")
-    ap.add_argument("--checkpoint-every", type=int, default=20, metavar="N",
+    ap.add_argument("--checkpoint-every", type=int_from(1), default=20, metavar="N",
                     help="with --checkpoint-dir: a checkpoint every N steps (and at each epoch's end)")
     ap.add_argument("--fault", action="append", default=[], metavar="RANK:STEP",
                     help="to try recovery: RANK kills itself (SIGKILL) right after step STEP's update, once "
@@ -604,29 +700,138 @@ def main(argv=None):
     ap.add_argument("--verify-replicas", action="store_true",
                     help="check that every rank's parameters are bitwise equal wherever they are exact (every "
                          "step under OSP, every commit or checkpoint): a collective each time, for tests")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    ap.add_argument("--json", default=None, help="write metrics here (rank 0)")
-    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--seed", type=int, default=0, help="model initialization and data order")
+    ap.add_argument("--threads", type=int_from(1), default=1, help="torch threads per rank")
+    ap.add_argument("--json", default=None, metavar="PATH", help="write metrics here (rank 0)")
+    ap.add_argument("--no-progress", action="store_true",
+                    help="print nothing while training (no header, progress bar or per-evaluation lines); the "
+                    "emulated link's line and the closing lines still print")
+    return ap
+
+
+def mode_words(args) -> str:
+    """The chosen mode and only its own options, for the header."""
+    def osp_words(name):
+        if name == "bsp":
+            return "bsp"
+        if name == "dsync":
+            return f"dsync delay={args.delay}" + (f" max_delay={args.max_delay}" if args.delay == "auto" else "")
+        words = f"osp critical={args.critical} min_critical={args.min_critical:g} block_size={args.block_size} " \
+                f"metric={args.metric}"
+        if args.stage2_compression is not None:
+            words += f" stage2_compression={args.stage2_compression}"
+        return words
+    if args.sync == "hsp":
+        words = f"sync=hsp max_extra={args.max_extra} hsp_sync={osp_words(args.hsp_sync)}"
+    elif args.sync == "hvd":
+        words = "sync=hvd (horovod.torch.DistributedOptimizer)"
+    elif args.sync == "ddp":
+        words = "sync=ddp (DistributedDataParallel)"
+    else:
+        words = "sync=" + osp_words(args.sync)
+    if args.compression != "none":
+        words += f" compression={args.compression}"
+    if args.straggler is not None:
+        words += f" straggler={args.straggler}"
+    return words
+
+
+def auto_words(b: dict, nbytes: int, size: int = 2) -> str:
+    """What OSP ``auto``'s budget (``stats()["budget"]``) settled on, and why, in one sentence."""
+    import statistics
+
+    from osp.policy import Budget
+
+    measured = []
+    if b.get("bw"):
+        measured.append(f"bandwidth {b['bw'] / 1e6:.0f} MB/s, so {1e3 * nbytes / b['bw']:.0f} ms to average the "
+                        f"{nbytes / 1e6:.1f} MB gradient")
+    if b.get("backward"):
+        measured.append(f"backward window {1e3 * statistics.median(b['backward']):.0f} ms")
+    if b.get("model") is not None:
+        measured.append(f"modelled share {Budget.HEADROOM:g} x backward / allreduce = {b['model']:.2f}")
+    why = f" (measured: {'; '.join(measured)})" if measured else ""
+    if size == 1:
+        why += "; one rank: no network, its 'allreduce' is a local copy"
+    if b["phase"] != "settled":
+        return (f"OSP auto: still measuring when the run ended (phase {b['phase']!r} after {b['steps']} steps; it "
+                f"settles by step 10){why}")
+    if set(b["shares"]) == {"bsp"}:
+        return (f"OSP auto: settled on critical share 1.00 (BSP's steps): the allreduce fits in "
+                f"{Budget.HEADROOM:.0%} of the backward window, so there is nothing to defer{why}")
+    tried = []
+    for k in Budget.TRIALS:
+        if k in b["shares"] and b["iterations"].get(k):
+            tried.append(f"{b['shares'][k]:.2f}: {1e3 * statistics.median(b['iterations'][k]):.0f} ms")
+    tried = f"median iteration per share tried: {', '.join(tried)}"
+    if b["fraction"] >= 1.0:
+        return (f"OSP auto: settled on critical share 1.00 (BSP's steps): no smaller share made iterations at least "
+                f"{Budget.MARGIN:.0%} faster ({tried}){why}")
+    return (f"OSP auto: settled on critical share {b['fraction']:.2f}, deferring {1 - b['fraction']:.0%} of the blocks "
+            f"each step: the smallest share whose iterations were at least {Budget.MARGIN:.0%} faster than the larger "
+            f"shares' ({tried}){why}")
+
+
+def decision_lines(args, st: dict, size: int, nbytes: int) -> list:
+    """What the mode decided over the run (osp.DistributedOptimizer's ``stats()``), one line each."""
+    lines = []
+    inner = args.hsp_sync if args.sync == "hsp" else args.sync
+    if inner == "osp":
+        if args.critical == "auto" and "budget" in st:
+            lines.append(auto_words(st["budget"], nbytes, size))
+        else:
+            lines.append(f"OSP critical={args.critical} (fixed): mean critical share "
+                         f"{st['mean']['critical_fraction']:.2f} over {st['steps']} steps")
+    elif inner == "dsync" and "delay" in st:
+        how = "fixed" if args.delay != "auto" else f"auto: the most steps an average took to arrive lately, " \
+                                                   f"at most {args.max_delay}"
+        lines.append(f"DSync: delay {st['delay']} ({how})")
+    if "hsp" in st:
+        h = st["hsp"]
+        lines.append(f"HSP: {h['extras']} extra micro-batches in all; backward passes per rank {h['passes_per_rank']}")
+    if size > 1:
+        lines.append(arrivals_line(st["arrivals"])[len("osp.train: "):])
+    return lines
+
+
+def check_device(ap, device: str) -> None:
+    """``--device cuda`` where torch cannot use it: one clear line, before any engine starts."""
+    if device != "cuda" or torch.cuda.is_available():
+        return
+    if torch.version.cuda is None:
+        ap.error(f"--device cuda: this torch has no CUDA (torch {torch.__version__}); use --device cpu")
+    ap.error(f"--device cuda: torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU "
+             f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); use --device cpu")
+
+
+def link_words(link, size: int) -> str:
+    words = f"{link.describe()}: every collective takes at least latency + 2(n-1)/n x 8 x bytes / rate, one at " \
+            "a time; real shaped links (tc, network namespaces): docs/benchmarks.md, Demo and Throughput under " \
+            "a network bottleneck"
+    if size == 1:
+        words += " (one rank: no collective crosses the link)"
+    return words
+
+
+def main(argv=None):
+    ap = build_parser()
     args = ap.parse_args(argv)
-    if args.critical != "auto":
-        try:
-            float(args.critical)
-        except ValueError:
-            ap.error(f"--critical must be a number in [0, 1] or 'auto', got {args.critical!r}")
-    if args.delay != "auto" and not args.delay.isdigit():
-        ap.error(f"--delay must be an integer >= 1 or 'auto', got {args.delay!r}")
-    for flag in ("commit_every", "checkpoint_every", "eval_every"):
-        if getattr(args, flag) < 1:
-            ap.error(f"--{flag.replace('_', '-')} must be an integer >= 1, got {getattr(args, flag)}")
     if args.elastic:
         if args.sync not in ("bsp", "osp", "dsync"):
             ap.error(f"--elastic runs --sync bsp, osp or dsync (osp.elastic.State), got --sync {args.sync}")
         if args.checkpoint_dir is not None or args.straggler is not None:
             ap.error("--elastic commits in memory: leave out --checkpoint-dir and --straggler")
+    if args.link is not None and args.sync == "ddp" and args.compression == "powersgd":
+        ap.error("--link with --compression powersgd: the emulation cannot tell how many bytes PowerSGD sends "
+                 "(it emulates DDP's allreduce, fp16 and bf16 hooks)")
+    if args.latency is not None:
+        if args.link is None or "," in args.link.spec:
+            ap.error("--latency goes with --link RATE (or write --link RATE,LATENCY, not both)")
+        args.link = link_arg(f"{args.link.spec},{args.latency}") if _valid_latency(ap, args.latency) else None
+    check_device(ap, args.device)
 
     torch.set_num_threads(args.threads)
-    backend = detect_backend() if args.backend == "auto" else args.backend
+    backend, why = detect_backend() if args.backend == "auto" else (args.backend, "--backend")
     if args.sync == "hvd" and backend != "horovod":
         ap.error("--sync hvd needs horovodrun/mpirun with the horovod backend")
     if args.sync == "ddp" and backend == "horovod":
@@ -655,15 +860,17 @@ def main(argv=None):
     if straggler is not None and straggler[0] == rank:
         slow_s = (straggler[1] - 1.0) * micro_batch_seconds(model, data[0][:args.batch_size],
                                                             data[1][:args.batch_size])
+    linkemu.install(args.link)  # osp's collectives; Horovod's optimizer and DDP get theirs in make_optimizer
     model, opt = make_optimizer(args, model, comm, comm if args.sync in OSP_MODES else backend)
     nparams = sum(p.numel() for p in model.parameters())
 
     progress = Progress(rank == 0 and not args.no_progress)
     job = Job(args, comm, model, opt, data, slow_s, progress)
     if rank == 0:
-        hsp = f"+{args.hsp_sync}" if args.sync == "hsp" and args.hsp_sync != "bsp" else ""
-        progress.epoch(f"osp.train: sync={args.sync}{hsp} critical={args.critical} ranks={size} backend={backend} "
-                       f"params={nparams} steps/epoch={job.steps_per_epoch(size)} seed={args.seed}")
+        progress.epoch(f"osp.train: {mode_words(args)} ranks={size} backend={backend} ({why}) params={nparams} "
+                       f"steps/epoch={job.steps_per_epoch(size)} seed={args.seed}")
+    if rank == 0 and args.link is not None:  # always: what the numbers below are measured behind
+        print("osp.train: " + link_words(args.link, size), flush=True)
     faults = Faults(faults, job)
     pos = new_position(size)
     if args.elastic:
@@ -676,26 +883,38 @@ def main(argv=None):
     history = pos["history"]
     sleeps = comm.allgather_object(slow_s)  # per rank: its sleep per micro-batch (the straggler's)
     digests = comm.allgather_object(digest(model))  # equal on every rank: bitwise equal replicas
-    result = {"config": vars(args) | {"ranks": size, "backend": backend, "params": nparams,
-                                      "straggler_sleep_s": sleeps},
+    config = vars(args) | {"ranks": size, "backend": backend, "backend_why": why, "params": nparams,
+                           "straggler_sleep_s": sleeps, "link": None if args.link is None else args.link.spec}
+    result = {"config": config,
               "epochs": history, "final_test_acc": history[-1]["test_acc"] if history else None,
               "samples_per_s": pos["samples_total"] / max(pos["train_time"], 1e-9),
               "train_s": pos["train_time"], "steps": pos["step"], "replica_digests": digests,
-              "resets": pos["resets"], "replica_checks": job.verified}
+              "resets": pos["resets"], "replica_checks": job.verified, "decisions": []}
+    if args.link is not None:
+        result["link"] = args.link.summary()  # rank 0's: its collectives, their link time, what waiting added
     if isinstance(opt, osp.DistributedOptimizer):
         st = opt.stats()
         result["osp_stats"] = {"mean": st["mean"], "skipped_steps": st["skipped_steps"]}
-        if "delay" in st:
-            result["osp_stats"]["delay"] = st["delay"]
-        if "hsp" in st:
-            result["osp_stats"]["hsp"] = st["hsp"]
+        for key in ("delay", "hsp", "budget"):
+            if key in st:
+                result["osp_stats"][key] = st[key]
         result["osp_stats"]["arrivals"] = st["arrivals"]
-        if rank == 0:
-            print(arrivals_line(st["arrivals"]), flush=True)
+        nbytes = sum(p.numel() * (2 if args.compression in ("fp16", "bf16") else p.element_size())
+                     for p in model.parameters())
+        result["decisions"] = decision_lines(args, st, size, nbytes)
+    if rank == 0:
+        for line in result["decisions"]:
+            print("osp.train: " + line, flush=True)
+        if args.link is not None:
+            s = args.link.summary()
+            print(f"osp.train: emulated link (rank 0): {s['collectives']} collectives, {s['link_s']:.1f} s of "
+                  f"link time; waiting for them took {s['held_s']:.1f} s longer than the real (loopback) "
+                  "collectives", flush=True)
     if rank == 0 and args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as fh:
             json.dump(result, fh, indent=1)
+    linkemu.uninstall()
     if backend == "horovod":
         import horovod.torch as hvd
 

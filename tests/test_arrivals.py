@@ -49,18 +49,19 @@ def test_balanced_or_briefly_slow_ranks_are_not_named():
 
 @pytest.mark.parametrize("seed", range(20))
 def test_scheduling_noise_between_balanced_ranks_is_not_a_straggler(seed):
-    """Two balanced ranks of a small model on a busy host: 2-3 ms a step with a few ms of jitter either way,
-    now and then a 20 ms hiccup on one of them, and one rank (rank 0: it prints, evaluates) a steady ms or
-    two behind; 200 steps. 1.5x of 2 ms is only 1 ms: no warning, nobody named."""
+    """Two balanced ranks of a small model on a busy host, as the runs that warned under the old rule (1.5x the
+    others' median after 5 steps: "3 ms, the others' median 2 ms"): 2 ms a step with a ms of jitter either
+    way, a slow warm-up of 8 steps on rank 1, now and then a 20 ms hiccup on either rank, and rank 0 (it
+    prints, evaluates) a steady half ms behind; 200 steps. No warning, nobody named."""
     import random
     rnd = random.Random(seed)
 
     def t(extra):
-        return 2.0 + extra + rnd.expovariate(1 / 1.0) + (20.0 if rnd.random() < 0.03 else 0.0)
+        return 2.0 + extra + rnd.expovariate(1 / 0.7) + (20.0 if rnd.random() < 0.03 else 0.0)
     a = Arrivals(rank=0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        feed(a, [[t(1.5), t(0.0)] for _ in range(200)])
+        feed(a, [[t(0.5), t(1.5 if step < 8 else 0.0)] for step in range(200)])
     assert a.slow_rank() is None and not caught, (a.stats(), [str(w.message) for w in caught])
 
 
@@ -73,10 +74,10 @@ def test_a_rank_slow_in_only_some_steps_is_not_named():
     assert a.slow_rank() is None
 
 
-@pytest.mark.parametrize("compute_ms", [2.0, 8.0, 50.0])
+@pytest.mark.parametrize("compute_ms", [0.5, 2.0, 8.0, 50.0])
 def test_a_2x_straggler_is_named_and_a_small_gap_is_not(compute_ms):
-    """2x slower every step: named when it costs more than the floor (8 and 50 ms a step), not at 2 ms
-    (2 ms a step behind: 1 ms of it, scheduling)."""
+    """2x slower every step: named when that is more than the floor behind (2, 8 and 50 ms a step: osp.train's
+    digits CNN computes about 2 ms a step on this machine), not at 0.5 ms (timer and scheduling noise)."""
     a = Arrivals(rank=0)
     feed(a, [[compute_ms * 1.02, 2 * compute_ms] for _ in range(Arrivals.WINDOW + 5)])
     named = compute_ms > Arrivals.FLOOR_MS

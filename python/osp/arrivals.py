@@ -6,11 +6,11 @@ micro-batch): the rank's own compute, with no collective added. The sum lands id
 so every rank keeps the same figures; ``Arrivals`` averages them. ``stats()`` reports each rank's mean
 arrival and its mean lag behind the earliest rank, and rank 0 warns once, at the user's line, when one rank
 is a straggler: over a full window of ``WINDOW`` steps its median arrival is more than ``FACTOR`` times the
-median of the other ranks' medians AND more than ``FLOOR_MS`` behind it, and it was that slow (both tests) in
-at least ``PERSIST`` of the window's steps. A median, so that a few slow steps (a checkpoint's, an evaluation's)
-do not count; the absolute floor and the persistence, so that the 1-3 ms of scheduling noise between two
-balanced ranks on a busy host (3 ms against 2 ms is 1.5x) is not called a straggler. The advice in the
-warning is the mode's (``Mode.straggler_advice``).
+median of the other ranks' medians AND more than ``FLOOR_MS`` behind it, and it arrived after the others in at
+least ``PERSIST`` of the window's steps. A median, so that a few slow steps (a checkpoint's, an evaluation's)
+do not count; the full window and the persistence, so that scheduling noise and a slow warm-up between
+balanced ranks (3 ms against 2 ms for a few steps is 1.5x) is not called a straggler; the floor, so that a
+steady sub-millisecond offset is not. The advice in the warning is the mode's (``Mode.straggler_advice``).
 """
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ from .warn import warn
 class Arrivals:
     WINDOW = 20  # steps the warning looks back on; it decides only on a full window
     FACTOR = 1.5  # slower than the median of the others by more than this
-    FLOOR_MS = 5.0  # and behind it by more than this
-    PERSIST = 0.8  # share of the window's steps where the rank was that slow
+    FLOOR_MS = 1.5  # and behind it by more than this (below: timer and scheduling noise)
+    PERSIST = 0.8  # share of the window's steps where the rank arrived after the others
 
 
     def __init__(self, rank: int, advice: str = ""):
@@ -86,8 +86,9 @@ class Arrivals:
         return mine > self.FACTOR * others and mine - others > self.FLOOR_MS
 
     def _persistence(self, r: int) -> float:
-        """The share of the window's steps where rank ``r`` was slower than the other ranks' median of that step."""
-        return sum(self._slower(a[r], statistics.median(x for o, x in enumerate(a) if o != r))
+        """The share of the window's steps where rank ``r`` arrived after the other ranks' median of that step
+        (by any amount: a straggler is behind in nearly every step, a balanced rank in about half)."""
+        return sum(a[r] > statistics.median(x for o, x in enumerate(a) if o != r)
                    for a in self._window) / max(len(self._window), 1)
 
     def slow_rank(self) -> Optional[tuple]:
@@ -107,4 +108,14 @@ class Arrivals:
         return {"steps": self.steps, "arrival_ms": [s / n for s in self._sum],
                 "lag_ms": [s / n for s in self._lag],
                 "slow_rank": None if slow is None else slow[0],
-                "slower": None if slow is None else slow[1]}
+                "slower": None if slow is None else slow[1],
+                "window": self._slowest()}
+
+    def _slowest(self) -> Optional[dict]:
+        """The window's slowest rank and the figures the rule reads (why it is, or is not, named)."""
+        if self.size < 2 or not self._window:
+            return None
+        r = max(range(self.size), key=self._median_window)
+        mine, others = self._median_window(r), self._others_median(r)
+        return {"steps": len(self._window), "rank": r, "median_ms": mine, "others_median_ms": others,
+                "persistence": self._persistence(r)}

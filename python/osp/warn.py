@@ -13,7 +13,12 @@ _LIBS = tuple(os.sep + os.path.join(*p) + os.sep for p in
                ("torch", "_dynamo"), ("torch", "cuda", "amp"), ("lightning",), ("pytorch_lightning",)))
 
 
+_EXAMPLE = _OSP + "train.py"  # the example job (python -m osp.train) is the user's script there
+
+
 def _outside(filename: str) -> bool:
+    if filename == _EXAMPLE:
+        return True
     return not (filename.startswith(_OSP) or any(lib in filename for lib in _LIBS)
                 or filename.endswith(os.sep + os.path.join("torch", "_tensor.py")))
 
@@ -23,6 +28,6 @@ def warn(message: str, category: type = RuntimeWarning) -> None:
     frame, level = sys._getframe(1), 1
     while frame is not None and not _outside(frame.f_code.co_filename):
         frame, level = frame.f_back, level + 1
-    if frame is None:  # called from osp's own tools (osp.train): the caller of the warning's origin
+    if frame is None:  # no user frame (e.g. from osp's own tools): where the warning was raised
         level = 1
     warnings.warn(message, category, stacklevel=level + 1)

@@ -159,7 +159,7 @@ demo: install
 	$(PY) scripts/demo.py $(DEMO_ARGS)
 
 # The slow-rank warning on real launches (bench/slow_rank_warning.py, about 5 minutes; run it alone): 20 balanced
-# 2-rank osp.train runs under torchrun, horovodrun --gloo and mpirun must warn 0 times, 6 with rank 1 2x slower
+# 2-rank osp.train runs under torchrun, horovodrun --gloo and mpirun must warn 0 times, 12 with rank 1 2x slower
 # must name rank 1 every time.
 check-slow-rank: install
 	$(PY) bench/slow_rank_warning.py $(BENCH_ARGS)

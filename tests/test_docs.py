@@ -607,6 +607,18 @@ def test_the_readme_is_short():
         f"README.md has {len(lines)} lines, more than {README_MAX_LINES}: move detail into docs/")
 
 
+def test_no_install_line_names_a_package_that_is_not_published():
+    """osp is not on PyPI: 'pip install osp[lightning]' fails (or installs someone else's 'osp'); from a
+    checkout it is 'pip install -e ".[lightning]"'."""
+    import re
+    bad = re.compile(r"pip install ['\"]?osp\b")
+    files = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+             *sorted((ROOT / "python" / "osp").rglob("*.py")), *sorted((ROOT / "examples").glob("*.py"))]
+    found = [f"{f.relative_to(ROOT)}:{i}" for f in files for i, line in enumerate(f.read_text().split("\n"), 1)
+             if bad.search(line)]
+    assert not found, found
+
+
 @pytest.mark.parametrize("path", DOCS, ids=IDS)
 def test_relative_links_resolve(path):
     doc = PARSED[path]

@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -168,6 +167,8 @@ def launch(engine: str, argv: list, log: str, timeout: float) -> int:
     """2 ranks of ``python -m osp.train ARGV``: under horovodrun --gloo (horovod), or started here as torchrun
     --standalone would start them (torch: RANK, WORLD_SIZE, MASTER_ADDR/PORT; without torchrun's agent, a few
     seconds less a run). Rank 0's output goes to ``log``; past ``timeout`` every rank is killed. The exit code."""
+    from bench.netem.netem import wait_all
+
     env = dict(os.environ, OMP_NUM_THREADS="1")
     train = [sys.executable, "-m", "osp.train", *argv]
     with open(log, "w") as out:
@@ -180,18 +181,8 @@ def launch(engine: str, argv: list, log: str, timeout: float) -> int:
                 e = dict(env, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
                 procs.append(subprocess.Popen(train, cwd=ROOT, env=e, stdout=out if r == 0 else subprocess.DEVNULL,
                                               stderr=subprocess.STDOUT, start_new_session=True))
-        deadline = time.monotonic() + timeout
-        codes = []
-        for p in procs:
-            try:
-                codes.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
-            except subprocess.TimeoutExpired:
-                for q in procs:
-                    if q.poll() is None:
-                        os.killpg(q.pid, signal.SIGKILL)
-                        q.wait()
-                return 124
-    return next((c for c in codes if c), 0)
+        codes, timed_out = wait_all(procs, timeout)
+    return 124 if timed_out else next((c for c in codes if c), 0)
 
 
 def emulated(a, reason: str) -> int:

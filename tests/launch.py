@@ -12,6 +12,9 @@ import time
 from typing import Sequence
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))  # the checkout's bench/ (one wait for a job's ranks: bench.netem)
+from bench.netem.netem import wait_all  # noqa: E402
+
 PY = sys.executable
 
 
@@ -62,16 +65,9 @@ def spawn(np_: int, argv: Sequence[str], timeout: float, env) -> subprocess.Comp
                       "WORLD_SIZE": str(np_), "LOCAL_RANK": str(r)})
             procs.append(subprocess.Popen([PY, *argv], env=e, stdout=out, stderr=subprocess.STDOUT,
                                           start_new_session=True))
-        deadline = time.monotonic() + timeout
-        codes = []
-        for p in procs:
-            try:
-                codes.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
-            except subprocess.TimeoutExpired:
-                for q in procs:
-                    if q.poll() is None:
-                        os.killpg(q.pid, signal.SIGKILL)
-                raise subprocess.TimeoutExpired([PY, *argv], timeout, _logs(outs)) from None
+        codes, timed_out = wait_all(procs, timeout)
+        if timed_out:
+            raise subprocess.TimeoutExpired([PY, *argv], timeout, _logs(outs))
         text = _logs(outs)
         return subprocess.CompletedProcess([PY, *argv], next((c for c in codes if c), 0), text, text)
     finally:

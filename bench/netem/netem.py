@@ -43,6 +43,23 @@ def parse_rate(rate: str) -> int:
     raise ValueError(f"netem: rate must look like '100mbit' or '1gbit', got {rate!r}")
 
 
+def wait_all(procs: Sequence[subprocess.Popen], timeout: float):
+    """Wait for every process (each the leader of its own session: ``start_new_session=True``), at most
+    ``timeout`` s in all; at the limit, kill the process group of every one still running. Returns the exit
+    codes (-9 for those killed) and whether the limit was reached (a rank that SIGKILLs itself also exits -9)."""
+    deadline = time.monotonic() + timeout
+    codes: List[int] = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                if q.poll() is None:
+                    os.killpg(q.pid, signal.SIGKILL)
+            return codes + [q.wait() for q in procs[len(codes):]], True
+    return codes, False
+
+
 class NetEm:
     def __init__(self, nranks: int, rate: Optional[str] = None, delay_ms: float = 0.0, tag: Optional[str] = None,
                  switch: Optional[tuple] = None):
@@ -212,15 +229,7 @@ class NetEm:
                 files.append(out)
                 procs.append(self._start(i, argv, self._env(backend, i, port, env or {}), out,
                                          subprocess.STDOUT if log_prefix else subprocess.DEVNULL))
-            deadline = time.monotonic() + timeout
-            codes = []
-            for p in procs:
-                try:
-                    codes.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
-                except subprocess.TimeoutExpired:
-                    os.killpg(p.pid, signal.SIGKILL)
-                    codes.append(-9)
-            return codes
+            return wait_all(procs, timeout)[0]
         finally:
             for p in procs + ([rdzv] if rdzv else []):
                 if p.poll() is None:

@@ -551,7 +551,7 @@ MUTANTS: List[Mutant] = [
       T(arr="not multiproc"),
       "scheduling noise of a few ms between balanced ranks is called a straggler (no absolute floor)"),
     M("arr-no-persistence", "arrivals.py",
-      "and self._persistence(r) >= self.PERSIST:", ":",
+      ' and w["persistence"] >= self.PERSIST):', "):",
       T(arr="not multiproc"),
       "a rank slow in only some of the window's steps is named (no persistence test)"),
     # -- lightning.py (one launch of Lightning's own, 2 ranks, about a minute) ---------------------

@@ -62,17 +62,15 @@ class Arrivals:
             self._sum[r] += a
             self._lag[r] += a - first
         self._window.append(ms)
-        slow = self.slow_rank()
-        if slow is not None and not self._warned:
+        if self.rank == 0 and not self._warned and self.slow_rank() is not None:  # only rank 0 warns, once
             self._warned = True
-            if self.rank == 0:
-                r, ratio = slow
-                warn(f"osp: rank {r} is {ratio:.1f}x slower than the median of the other ranks (its median time "
-                     f"from one step to the next step's synchronization over the last {len(self._window)} steps: "
-                     f"{self._median_window(r):.0f} ms, the others' median {self._others_median(r):.0f} ms, slower "
-                     f"in {self._persistence(r):.0%} of those steps); every synchronous step waits for it. Check "
-                     "that rank's host and device (a noisy neighbour, a throttled GPU, a slower input pipeline); "
-                     f"{self.advice or 'see stats()'}. This warning is shown once; stats()['arrivals'] has the figures")
+            w = self._slowest()
+            warn(f"osp: rank {w['rank']} is {w['median_ms'] / w['others_median_ms']:.1f}x slower than the median of "
+                 "the other ranks (its median time from one step to the next step's synchronization over the last "
+                 f"{w['steps']} steps: {w['median_ms']:.0f} ms, the others' median {w['others_median_ms']:.0f} ms, "
+                 f"behind them in {w['persistence']:.0%} of those steps); every synchronous step waits for it. Check "
+                 "that rank's host and device (a noisy neighbour, a throttled GPU, a slower input pipeline); "
+                 f"{self.advice or 'see stats()'}. This warning is shown once; stats()['arrivals'] has the figures")
 
     def _median_window(self, r: int) -> float:
         """Rank ``r``'s median arrival over the window."""
@@ -94,13 +92,10 @@ class Arrivals:
     def slow_rank(self) -> Optional[tuple]:
         """``(rank, how many times slower)`` of the slowest rank where it is a straggler over a full window
         (see the module docstring), else None."""
-        if self.size < 2 or len(self._window) < self.WINDOW:
+        w = self._slowest() if len(self._window) >= self.WINDOW else None
+        if w is None or not (self._slower(w["median_ms"], w["others_median_ms"]) and w["persistence"] >= self.PERSIST):
             return None
-        r = max(range(self.size), key=self._median_window)
-        mine, others = self._median_window(r), self._others_median(r)
-        if self._slower(mine, others) and self._persistence(r) >= self.PERSIST:
-            return r, (mine / others if others > 0 else float("inf"))
-        return None
+        return w["rank"], (w["median_ms"] / w["others_median_ms"] if w["others_median_ms"] > 0 else float("inf"))
 
     def stats(self) -> dict:
         n = max(self.steps, 1)

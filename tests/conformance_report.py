@@ -1,4 +1,4 @@
-"""Counts of the one-rank conformance suite by outcome, per mode: the table in README's "Works with".
+"""Counts of the one-rank conformance suite by outcome, per mode: the table in docs/works-with.md.
 
     python tests/conformance_report.py [--markdown]
 

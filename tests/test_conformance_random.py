@@ -155,7 +155,7 @@ def loops(draw) -> Loop:
     scheduler = draw(st.booleans())
     two_groups = draw(st.booleans())
     n = draw(st.integers(4, 9))
-    # DSync(delay=d) hears of an overflow when its average lands, d steps later (README, "Works with"): the
+    # DSync(delay=d) hears of an overflow when its average lands, d steps later (docs/works-with.md): the
     # scaler's scale follows torch's d steps late, so the last d steps have none (the run would end first)
     late = C.MODES[mode].late
     # torch's fused optimizers, handed found_inf by the scaler, set up the state of a parameter whose first

@@ -42,8 +42,8 @@ class DistributedOptimizer(keywords.HorovodSurface, torch.optim.Optimizer):
             supported). SGD, Adam and AdamW get fused correction kernels; others the generic path.
         named_parameters: ``model.named_parameters()``, for error messages and the cross-rank check;
             every parameter of ``optimizer`` must be named once.
-        sync: the mode and its options: ``osp.OSP(...)`` (default), ``osp.BSP()``, ``osp.DSync(...)`` or
-            ``osp.HSP(...)``.
+        sync: the mode and its options: ``osp.OSP(...)`` (default: ``osp.OSP()``, ``critical="auto"``),
+            ``osp.BSP()``, ``osp.DSync(...)`` or ``osp.HSP(...)``.
         backend: ``"auto"`` (Horovod when initialized, else torch.distributed), ``"horovod"``,
             ``"torch"`` or a ``osp.comm.Comm``.
         backward_passes_per_step: backward passes accumulated locally before each step.
@@ -53,8 +53,8 @@ class DistributedOptimizer(keywords.HorovodSurface, torch.optim.Optimizer):
             and optimizer state (after each step's exact corrections, and in ``flush()``); e.g. to
             checksum replicas. ``None``: nothing is called.
         compression, op, gradient_predivide_factor, groups, sparse_as_dense, process_set:
-            ``hvd.DistributedOptimizer``'s keywords with Horovod's meaning (``osp.keywords``; README,
-            "Coming from Horovod").
+            ``hvd.DistributedOptimizer``'s keywords with Horovod's meaning (``osp.keywords``;
+            docs/horovod.md).
         broadcast_parameters: send rank 0's parameters to every rank here, as DDP's constructor does
             (default False: call ``osp.broadcast_parameters`` yourself, as with Horovod).
         check_replicas: compare a digest of every rank's parameters and optimizer state at the first

@@ -362,6 +362,16 @@ class TorchComm(Comm):
     def size(self) -> int:
         return self.dist.get_world_size(self.group)
 
+    @property
+    def ranks_key(self) -> tuple:
+        if self.group is None or self.group is _RELEASED:
+            return (self.name,)
+        return (self.name, tuple(self.dist.get_process_group_ranks(self.group)))
+
+    @property
+    def prefix(self) -> str:
+        return "osp" if len(self.ranks_key) == 1 else "osp.ranks" + "_".join(map(str, self.ranks_key[1])) + "."
+
     def _start(self, tensor, name, average):
         return self.dist.all_reduce(tensor, group=self.group, async_op=True)
 
@@ -405,18 +415,53 @@ class TorchComm(Comm):
     def active(self):
         return self.dist.is_initialized()
 
+    def _root(self, root: int) -> int:
+        # osp's roots are ranks within the communicator, torch.distributed's src a global rank
+        return root if self.group is None else self.dist.get_global_rank(self.group, root)
+
     def broadcast_object(self, obj, root=0):
         box = [obj]
-        self.dist.broadcast_object_list(box, src=root, group=self.group)
+        self.dist.broadcast_object_list(box, src=self._root(root), group=self.group)
         return box[0]
 
     def broadcast_(self, tensor, root, name):
-        self.dist.broadcast(tensor, root, group=self.group)
+        self.dist.broadcast(tensor, self._root(root), group=self.group)
 
     def allgather_object(self, obj):
         out = [None] * self.size
         self.dist.all_gather_object(out, obj, group=self.group)
         return out
+
+
+class LocalComm(Comm):
+    """One rank alone, no engine: what a ``DistributedOptimizer`` gets on a rank outside its process set
+    (``process_set=``), where Horovod's own optimizer registers no hooks and steps on the rank's gradient alone.
+    Every collective is the identity (the average of one), so every mode steps as ``torch.optim`` does."""
+
+    name = "local"
+
+    @property
+    def rank(self) -> int:
+        return 0
+
+    @property
+    def size(self) -> int:
+        return 1
+
+    def _start(self, tensor, name, average):
+        return None
+
+    def _complete(self, handle, timeout=None):
+        return True
+
+    def poll(self, handle):
+        return True
+
+    def broadcast_(self, tensor, root, name):
+        return None
+
+    def allgather_object(self, obj):
+        return [obj]
 
 
 def horovod_initialized() -> bool:

@@ -36,6 +36,17 @@ class Compressor:
     def __reduce__(self):  # pickled (a mode's options travel between ranks) as the one instance
         return (resolve, (self.name,))
 
+    def compress(self, tensor: torch.Tensor):
+        """Horovod's ``Compressor.compress``: ``(tensor on the wire, what decompress needs)`` (a floating-point
+        tensor cast to ``dtype``; others as they are)."""
+        if self.dtype is None or not tensor.is_floating_point():
+            return tensor, None
+        return tensor.to(self.dtype), tensor.dtype
+
+    def decompress(self, tensor: torch.Tensor, ctx):
+        """Horovod's ``Compressor.decompress``: back to the dtype ``compress`` was given."""
+        return tensor if ctx is None else tensor.to(ctx)
+
 
 class Compression:
     """Horovod's ``hvd.Compression`` for osp: ``none``, ``fp16`` and ``bf16``."""

@@ -9,7 +9,7 @@ from .broadcast import broadcast_optimizer_state
 
 
 @torch.no_grad()
-def join(opt) -> None:
+def join(opt) -> int:
     if opt._acc.fresh:
         raise RuntimeError("osp: join() after a backward pass whose step() has not run: call step() first, "
                            "then join()")
@@ -55,3 +55,5 @@ def join(opt) -> None:
         broadcast_optimizer_state(opt, root)
         amp.adopt_join_state(opt, [st for _, st in gathered], root)
         opt._replicas.check("the end of join()")  # every rank took the last joiner's parameters and state
+        return root
+    return 0

@@ -16,7 +16,8 @@ what was got) and says what each becomes:
 - ``groups``: validated as Horovod does, then left to osp's buckets (``bucket_mb``), which already fuse
   the gradients into allreduces of a chosen size in the order backward produces them.
 - ``sparse_as_dense``: a sparse gradient is made dense where it enters osp's flat gradient.
-- ``process_set``: a Horovod process set; the optimizer's collectives run on it (``HorovodComm``).
+- ``process_set``: a Horovod process set (``HorovodComm``) or an ``osp.horovod`` one (``TorchComm`` on its group);
+  the optimizer's collectives run on it. On a rank outside it the optimizer steps alone (``LocalComm``).
 """
 from __future__ import annotations
 
@@ -51,11 +52,9 @@ class Reduction:
 
 
 def _horovod_ops():
-    try:
-        import horovod.torch as hvd
-    except ImportError:
-        return {}
-    return {hvd.Average: AVERAGE, hvd.Sum: SUM, hvd.Adasum: "adasum"}
+    # Horovod's values (hvd.Average is 0, hvd.Sum 1, hvd.Adasum 2), which osp.horovod's ReduceOp shares
+    # (tests/test_osp_horovod.py checks both): one table for both
+    return {0: AVERAGE, 1: SUM, 2: "adasum"}
 
 
 def reduction(op, gradient_predivide_factor) -> Reduction:
@@ -106,23 +105,35 @@ def check_groups(groups, optimizer: torch.optim.Optimizer) -> None:
 
 
 def backend_for(backend, process_set):
-    """The backend to build the optimizer's communicator from: ``process_set`` (a Horovod ProcessSet)
-    means Horovod on that set."""
+    """The backend to build the optimizer's communicator from. ``process_set``: a Horovod ProcessSet (Horovod on
+    that set) or an ``osp.horovod.ProcessSet`` (torch.distributed on its group); on a rank outside the set, a
+    ``LocalComm``: the rank steps on its own gradient, as under Horovod's optimizer, which registers no hooks
+    there."""
     if process_set is None:
         return backend
+    from .comm import HorovodComm, LocalComm
+
+    osp_comm = getattr(process_set, "_osp_comm", None)  # an osp.horovod.ProcessSet
+    if osp_comm is not None:
+        if backend not in ("auto", "torch"):
+            raise ValueError(f"osp: process_set is an osp.horovod process set, on torch.distributed; it needs "
+                             f"backend='auto' or 'torch', got backend={backend!r}")
+        return osp_comm()
     try:
         import horovod.torch as hvd
     except ImportError:
-        raise ValueError("osp: process_set is a Horovod process set, but Horovod is not installed") from None
+        raise ValueError(f"osp: process_set must be an osp.horovod.ProcessSet or a horovod ProcessSet, got "
+                         f"{process_set!r}") from None
     if not isinstance(process_set, hvd.ProcessSet):
-        raise ValueError(f"osp: process_set must be a horovod ProcessSet, got {process_set!r}")
+        raise ValueError(f"osp: process_set must be a horovod ProcessSet (or an osp.horovod.ProcessSet), got "
+                         f"{process_set!r}")
     if process_set is hvd.global_process_set:
         return backend
     if backend not in ("auto", "horovod"):
         raise ValueError(f"osp: process_set is a Horovod process set; it needs backend='auto' or 'horovod', got "
                          f"backend={backend!r}")
-    from .comm import HorovodComm
-
+    if process_set.process_set_id is not None and process_set.included() is False:
+        return LocalComm()
     return HorovodComm(process_set)
 
 

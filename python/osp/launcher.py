@@ -74,32 +74,42 @@ def init_from_env(backend: str, timeout_s: Optional[float] = None, device="cpu")
             torch.cuda.set_device(hvd.local_rank())
         return HorovodComm()
     if backend == "torch":
-        import torch.distributed as dist
-
-        env = os.environ
-        if "RANK" not in env and "OMPI_COMM_WORLD_RANK" in env:
-            env["RANK"] = env["OMPI_COMM_WORLD_RANK"]
-            env["WORLD_SIZE"] = env["OMPI_COMM_WORLD_SIZE"]
-            env["LOCAL_RANK"] = env.get("OMPI_COMM_WORLD_LOCAL_RANK", "0")
-        elif "RANK" not in env and "PMI_RANK" in env and "PMI_SIZE" in env:  # MPICH, Intel MPI
-            env["RANK"], env["WORLD_SIZE"] = env["PMI_RANK"], env["PMI_SIZE"]
-            env["LOCAL_RANK"] = env.get("MPI_LOCALRANKID", "0")
-        env.setdefault("MASTER_ADDR", "127.0.0.1")
-        env.setdefault("MASTER_PORT", "29500")
-        # the engine follows the model, not the machine: a CPU model on a GPU host still needs Gloo
-        pg = "gloo"
+        pg = "gloo"  # the engine follows the model, not the machine: a CPU model on a GPU host still needs Gloo
         if dev.type == "cuda":
-            torch.cuda.set_device(int(env.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK",
+                                                                                   "0"))))
             pg = "nccl"
-        kw = {}
-        if timeout_s is not None:
-            kw["timeout"] = datetime.timedelta(seconds=timeout_s)
-        store = _restart_store(env, kw.get("timeout", dist.constants.default_pg_timeout))
-        if store is not None:
-            kw.update(store=store, rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]))
-        dist.init_process_group(pg, **kw)
+        init_process_group(pg, timeout_s)
         return TorchComm()
     raise ValueError(f"osp: unknown backend {backend!r}: expected 'horovod' or 'torch'")
+
+
+def init_process_group(pg: str, timeout_s: Optional[float] = None) -> None:
+    """``torch.distributed.init_process_group(pg)`` from the launcher's environment: torchrun's variables, or an
+    MPI launcher's (Open MPI's ``OMPI_COMM_WORLD_*``, MPICH's ``PMI_*``) copied into torchrun's names, with
+    ``MASTER_ADDR`` / ``MASTER_PORT`` defaulting to 127.0.0.1:29500; under ``torchrun --max-restarts``, a
+    rendezvous store of each restart's own (``_restart_store``)."""
+    import torch.distributed as dist
+
+    env = os.environ
+    if "RANK" not in env and "OMPI_COMM_WORLD_RANK" in env:
+        env["RANK"] = env["OMPI_COMM_WORLD_RANK"]
+        env["WORLD_SIZE"] = env["OMPI_COMM_WORLD_SIZE"]
+        env["LOCAL_RANK"] = env.get("OMPI_COMM_WORLD_LOCAL_RANK", "0")
+        if "OMPI_COMM_WORLD_LOCAL_SIZE" in env:
+            env.setdefault("LOCAL_WORLD_SIZE", env["OMPI_COMM_WORLD_LOCAL_SIZE"])
+    elif "RANK" not in env and "PMI_RANK" in env and "PMI_SIZE" in env:  # MPICH, Intel MPI
+        env["RANK"], env["WORLD_SIZE"] = env["PMI_RANK"], env["PMI_SIZE"]
+        env["LOCAL_RANK"] = env.get("MPI_LOCALRANKID", "0")
+    env.setdefault("MASTER_ADDR", "127.0.0.1")
+    env.setdefault("MASTER_PORT", "29500")
+    kw = {}
+    if timeout_s is not None:
+        kw["timeout"] = datetime.timedelta(seconds=timeout_s)
+    store = _restart_store(env, kw.get("timeout", dist.constants.default_pg_timeout))
+    if store is not None:
+        kw.update(store=store, rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]))
+    dist.init_process_group(pg, **kw)
 
 
 def _restart_store(env, timeout):

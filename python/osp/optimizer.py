@@ -287,14 +287,15 @@ class DistributedOptimizer(keywords.HorovodSurface, torch.optim.Optimizer):
         clipping.clip_value(self, clip_value)
 
     @torch.no_grad()
-    def join(self) -> None:
+    def join(self) -> int:
         """This rank is out of data (DDP's ``Join``, Horovod's ``hvd.join()``): until every rank has joined, it
         takes part in the others' steps with no gradient of its own (zeros in the average, still divided by the
         number of ranks, as DDP and Horovod do), so the replicas stay bitwise equal; with a GradScaler, through
         it. Returns on every rank at the same step, after ``flush()``, with the parameters, optimizer state and
         scaler state of the rank that joined last (as DDP's join). Meanwhile the ranks still training may call
-        ``step()`` only (a collective of their own would meet a step's); call ``join()`` after ``step()``."""
-        joining.join(self)
+        ``step()`` only (a collective of their own would meet a step's); call ``join()`` after ``step()``. Returns the
+        rank (within the optimizer's ranks) that joined last, as ``hvd.join()`` does."""
+        return joining.join(self)
 
     @property
     def in_flight(self) -> bool:

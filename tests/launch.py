@@ -24,15 +24,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+HIDE_HOROVOD = os.environ.get("OSP_HIDE_HOROVOD") == "1"  # every rank too finds no Horovod (tests/nohorovod)
+
+
 def _env(extra=None):
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONPATH"] = HERE + os.pathsep + env.get("PYTHONPATH", "")
+    if HIDE_HOROVOD:
+        env["PYTHONPATH"] = os.path.join(HERE, "nohorovod") + os.pathsep + env["PYTHONPATH"]
     env.update(extra or {})
     return env
 
 
+def need_horovod() -> None:
+    """Skip the calling test where Horovod is not installed (or hidden: OSP_HIDE_HOROVOD=1), saying so."""
+    import pytest
+
+    if HIDE_HOROVOD:
+        pytest.skip("needs the Horovod engine; Horovod is hidden (OSP_HIDE_HOROVOD=1)")
+    try:
+        import horovod.torch  # noqa: F401
+    except ImportError as e:
+        pytest.skip(f"needs the Horovod engine, which is not installed ({e})")
+
+
 def horovodrun_cmd(np_: int, argv: Sequence[str]) -> list:
+    need_horovod()
     exe = shutil.which("horovodrun", path=os.path.dirname(PY)) or shutil.which("horovodrun")
     if exe is None:
         raise RuntimeError("horovodrun not found: run `make install`")
@@ -101,6 +119,10 @@ def run(launcher: str, np_: int, argv: Sequence[str], timeout: float = 240, env=
     elif launcher == "torch":
         cmd = torchrun_cmd(np_, argv)
     elif launcher == "mpirun":
+        if shutil.which("mpirun") is None:
+            import pytest
+
+            pytest.skip("mpirun is not installed (OSP_WITHOUT_HOROVOD=1 make install leaves OpenMPI out)")
         extra.setdefault("MASTER_ADDR", "127.0.0.1")
         extra.setdefault("MASTER_PORT", str(free_port()))
         cmd = mpirun_cmd(np_, argv)
@@ -161,6 +183,7 @@ class ElasticJob:
         with open(script, "w") as f:
             f.write(f"#!/bin/sh\ncat {self.hosts_file}\n")
         os.chmod(script, 0o755)
+        need_horovod()
         exe = shutil.which("horovodrun", path=os.path.dirname(PY)) or shutil.which("horovodrun")
         cmd = [exe, "--gloo", "-np", str(np_), "--min-np", str(min_np), "--max-np", str(max_np),
                "--host-discovery-script", script, "--start-timeout", "60",

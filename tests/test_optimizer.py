@@ -16,6 +16,8 @@ WORKER = os.path.join(launch.HERE, "workers", "opt_worker.py")
 
 
 def run_scenario(scenario, backend, nranks, tmp_path, launcher=None, expect_ok=True, timeout=300):
+    if backend == "horovod":
+        launch.need_horovod()  # under mpirun too
     out = tmp_path / f"{scenario.replace(':', '-')}-{backend}-{nranks}"
     out.mkdir()
     t0 = time.monotonic()

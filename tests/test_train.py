@@ -244,6 +244,7 @@ def test_backend_detection(env, backend):
 def test_backend_auto_under_mpi_is_horovod(launcher, tmp_path):
     """horovodrun without --gloo runs mpirun, which sets no HOROVOD_* variable: --backend auto still picks Horovod
     (and says why); so does plain mpirun where no MASTER_ADDR is given for torch.distributed."""
+    launch.need_horovod()
     import horovod.torch as hvd
 
     if not hvd.mpi_built():

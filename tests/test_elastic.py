@@ -11,7 +11,15 @@ import torch
 
 import launch
 import osp
-import osp.elastic
+
+
+def elastic():
+    """osp.elastic (Horovod Elastic's), for the tests that need it: they skip, saying why, where Horovod is not
+    installed (the torchrun tests here need no Horovod)."""
+    launch.need_horovod()
+    import osp.elastic
+
+    return osp.elastic
 
 TRAIN = ["-m", "osp.train", "--elastic", "--no-progress", "--verify-replicas"]
 
@@ -29,7 +37,7 @@ def test_elastic_rank_killed_mid_step_survivors_go_on_from_the_last_commit(tmp_p
     host that would be every rank's). Rank 1 SIGKILLs itself right after step 25's update (under OSP
     with stage 2 in flight, under DSync with the delayed average); the survivor restores the commit of
     step 20 and finishes alone, with the accuracy of a run without the fault."""
-    hosts = osp.elastic.local_host_names(2)
+    hosts = elastic().local_host_names(2)
     # a fixed share: OSP(auto) decides from timings, so two runs need not match (the test compares two)
     args = ["--sync", sync, "--epochs", "10", "--commit-every", "10"]
     args += ["--critical", "0.25"] if sync == "osp" else []
@@ -63,7 +71,7 @@ def test_elastic_slot_added_then_removed(tmp_path):
     redone), receives the parameters, optimizer state and osp's state, and from its first step on every
     replica is bitwise equal (--verify-replicas checks it at every step). Then the host is removed: its
     rank leaves at a commit, nothing redone, and the job ends with exit status 0."""
-    hosts = osp.elastic.local_host_names(3)
+    hosts = elastic().local_host_names(3)
     out = tmp_path / "m.json"
     argv = [a for a in TRAIN if a != "--no-progress"]  # a line per epoch: the test acts on them
     job = launch.ElasticJob(tmp_path, hosts[:2], argv + ["--sync", "osp", "--critical", "0.25", "--epochs", "60",
@@ -190,12 +198,12 @@ def test_elastic_state_rejects_what_it_cannot_restore(one_rank):
     model = torch.nn.Linear(4, 2)
     plain = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(TypeError, match="optimizer must be an osp.DistributedOptimizer, got SGD"):
-        osp.elastic.State(model, plain)
+        elastic().State(model, plain)
     opt = osp.DistributedOptimizer(plain, model.named_parameters(), sync=osp.OSP(), backend="torch")
     with pytest.raises(ValueError, match="runs on the 'torch' backend; Horovod Elastic restarts Horovod's engine"):
-        osp.elastic.State(model, opt)
+        elastic().State(model, opt)
     with pytest.raises(TypeError, match="model must be a torch.nn.Module, got str"):
-        osp.elastic.State("model", opt)
+        elastic().State("model", opt)
 
 
 def test_reset_world_drops_work_in_flight_and_keeps_the_scores(one_rank):
@@ -232,19 +240,82 @@ def test_elastic_state_commit_restore_and_sync_every_mode(tmp_path):
     proc = launch.run("horovod", 2, [os.path.join(launch.HERE, "workers", "elastic_worker.py"), str(tmp_path)],
                       timeout=240)
     launch.check(proc)
-    names = [f"{m}/{c}" for m in ("bsp", "osp", "dsync", "hsp") for c in (
+    modes = ("bsp", "osp", "dsync", "hsp")
+    names = [f"{m}/{c}" for m in modes for c in (
         "sync_makes_replicas_equal", "commit_leaves_nothing_in_flight", "commit_replicas_equal",
         "restore_brings_back_the_commit", "restore_brings_back_the_optimizer_state",
-        "steps_redone_equal_the_first_attempt")] + ["sync_checks_the_parameters_on_every_rank"]
+        "steps_redone_equal_the_first_attempt", "second_restore_brings_back_the_commit")]
+    # the same with Horovod's own hvd.elastic.TorchState holding the optimizer
+    names += [f"torch_state/{m}/{c}" for m in modes for c in (
+        "sync_makes_replicas_equal", "reset_callback_registered_once", "commit_leaves_nothing_in_flight",
+        "commit_holds_the_exact_replicas", "restore_after_a_failure_brings_back_the_commit", "reset_rebuilds_the_mode",
+        "steps_redone_equal_the_first_attempt", "load_in_flight_refused", "reset_in_flight_refused")]
+    names += ["sync_checks_the_parameters_on_every_rank"]
     for r in launch.rank_results(tmp_path, 2, proc):
         assert sorted(r["checks"]) == sorted(names)
 
 
-def test_restart_store_refuses_what_it_cannot_make_safe():
-    from osp.launcher import _restart_store
+def _hosts_job(tmp_path, mode, hosts, np_, min_np, max_np, kill=None):
+    """tests/workers/elastic_worker.py's ``hosts_job`` (Horovod's elastic test script with the swap) under
+    horovodrun elastic; the discovery script reads how many epochs were logged, as Horovod's test's does. Returns
+    the finished process and the logged epochs."""
+    import json
+    import os
+    import shutil
 
-    env = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "2", "GROUP_WORLD_SIZE": "2"}
-    with pytest.raises(RuntimeError, match="set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment"):
-        _restart_store(env, None)
-    assert _restart_store({**env, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}, None) is None  # torchrun's own fix
-    assert _restart_store({**env, "TORCHELASTIC_MAX_RESTARTS": "0"}, None) is None  # never restarted
+    logfile = tmp_path / "log.txt"
+    schedule = [(e, [f"{h}:1" for h in hs]) for e, hs in hosts]
+    cases = "".join(f"{e}) echo '{chr(10).join(f'{h}:1' for h in hs)}' ;;\n" for e, hs in hosts if e is not None)
+    script = tmp_path / "discover.sh"
+    script.write_text(f"""#!/bin/sh
+epoch=0
+[ -f {logfile} ] && epoch=$(wc -l < {logfile} | tr -d '[:space:]')
+case "$epoch" in
+{cases}*) echo '{chr(10).join(f'{h}:1' for h in hosts[-1][1])}' ;;
+esac
+""")
+    os.chmod(script, 0o755)
+    launch.need_horovod()
+    exe = shutil.which("horovodrun", path=os.path.dirname(launch.PY)) or shutil.which("horovodrun")
+    # one host at the start: Horovod's test mocks the driver's minimum of two start hosts to one; naming the
+    # interface does the same here. A rank failing again at every reset ends the job (--reset-limit)
+    cmd = [exe, "-np", str(np_), "--min-np", str(min_np), "--max-np", str(max_np), "--host-discovery-script",
+           str(script), "--network-interfaces", "lo", "--start-timeout", "60", "--reset-limit", "4", launch.PY,
+           os.path.join(launch.HERE, "workers", "elastic_worker.py"), "--hosts-job", str(logfile), mode,
+           json.dumps(schedule)] + ([json.dumps(kill)] if kill else [])
+    proc = launch.run_cmd(cmd, timeout=180)
+    launch.check(proc)
+    return proc, [json.loads(line) for line in logfile.read_text().splitlines()]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("mode", ["default", "bsp", "osp-0.25", "dsync-2"])
+def test_horovods_elastic_test_with_the_swap_and_torch_state(tmp_path, mode):
+    """Horovod 0.28.1's test_hosts_added_and_removed (test/integration/test_elastic_torch.py, slots=1) on its
+    training script restated in tests/workers/elastic_worker.py (``hosts_job``): osp.DistributedOptimizer in place
+    of hvd.DistributedOptimizer, the state in Horovod's own hvd.elastic.TorchState. One host, a second added after
+    epoch 0, the first removed after epoch 1. The epochs run on 1, 2 and 1 ranks, as under Horovod's optimizer,
+    with every replica equal at each epoch's end. (Before: the ranks that trained on kept a mode built for the old
+    world, whose per-step records no longer matched the new rank's; the failed collective's restore then refused
+    the work in flight; under OSP(auto) the new rank's first-step replica check waited for ranks that made none;
+    under OSP and DSync the commit refused the work in flight.)"""
+    hosts = elastic().local_host_names(2)
+    proc, results = _hosts_job(tmp_path, mode, [(0, hosts[:1]), (1, hosts), (None, hosts[1:])], 1, 1, 2)
+    assert [(r["size"], r["start_rank"], r["hostname"]) for r in results] == [
+        (1, 0, hosts[0]), (2, 0, hosts[0]), (1, 1, hosts[1])], (results, proc.stdout[-3000:])
+    assert results[2]["rendezvous"] == 3 and all(r["replicas_equal"] for r in results), results
+
+
+@pytest.mark.multiproc
+def test_torch_state_rank_killed_with_work_in_flight(tmp_path):
+    """The same script on two hosts, DSync(delay=2): rank 1 SIGKILLs itself at epoch 1, batch 3, with the averages
+    of its last steps in flight. The survivor's collective fails, hvd.elastic.run restores TorchState's commit of
+    batch 3 while it handles the HorovodInternalError (the work in flight belongs to the dead engine: dropped), and
+    it finishes alone from there. (Before: TorchState's commit() refused DSync's work in flight, and so did a
+    restore.)"""
+    hosts = elastic().local_host_names(2)
+    proc, results = _hosts_job(tmp_path, "dsync-2", [(None, hosts)], 2, 1, 2, kill=[1, 3, 1])
+    out = proc.stdout + proc.stderr
+    assert "restore with work in flight: True" in out and "epoch 1 batch 3" in out, out[-3000:]
+    assert [(r["epoch"], r["size"]) for r in results] == [(0, 2), (1, 1), (2, 1)], results
+    assert all(r["replicas_equal"] for r in results), results

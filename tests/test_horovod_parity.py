@@ -12,7 +12,9 @@ import osp
 WORKER = os.path.join(launch.HERE, "workers", "hvd_parity_worker.py")
 MODES = ["bsp", "osp-auto", "osp-0.25", "dsync-2"]
 # every scenario of the worker leaves at least these checks (one that stopped early records an error)
-EXPECTED = {"broadcast_state_no_grad/replicas", "dynamic_requires_grad/replicas", "gradient_clipping/update",
+EXPECTED = {"broadcast_state_no_grad/replicas", "broadcast_state_in_flight/exercised",
+            "broadcast_state_in_flight/hvd_is_flush", "broadcast_state_in_flight/osp_is_flush",
+            "dynamic_requires_grad/replicas", "gradient_clipping/update",
             "no_named_parameters/names", "optimizer_no_named_parameters/alike", "sparse_embeddings/sparse_adam_refused",
             "op/sum_is_average_times_size", "op/adasum_refused", "compression/fp16", "groups/duplicate"}
 
@@ -167,6 +169,44 @@ def test_state_dict_is_the_optimizers_with_osps_part(one_rank, sync):
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     with pytest.raises(TypeError, match="expects a dict"):
         d.load_state_dict([1])
+
+
+@pytest.mark.parametrize("sync", [osp.BSP(), osp.OSP(critical=0.25, block_size=4), osp.DSync(delay=2), osp.HSP()],
+                         ids=repr)
+def test_horovods_state_initialization_leaves_zero_gradients(one_rank, sync):
+    """hvd.broadcast_optimizer_state on a new optimizer (Horovod's test_broadcast_state_no_grad): every parameter
+    that requires a gradient is left with a zero .grad and the state is made, a parameter that requires none keeps
+    None. osp's part of it (statedict.init_state_for_horovod) does that itself, whoever calls it: Horovod's function
+    sets the zeros before, osp.horovod's does not (there the gradient stayed None and no state was made). The
+    parameters do not move (weight decay would move them on the ranks without state only), and training goes on
+    from there."""
+    from osp import statedict
+
+    class NoGrad(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Parameter(torch.tensor([1, 3], dtype=torch.int32), requires_grad=False)
+            self.b = torch.nn.Parameter(torch.rand(6))
+            self.c = torch.nn.Parameter(torch.rand(3), requires_grad=False)  # frozen when wrapped
+
+        def forward(self, x):
+            return torch.index_select(self.b, 0, self.a.long()) * x + self.c[:2]
+
+    model = NoGrad()
+    opt = osp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.1, momentum=0.9,
+                                                   nesterov=True), model.named_parameters(), sync=sync)
+    before = model.b.detach().clone()
+    statedict.init_state_for_horovod(opt)
+    assert model.b.grad is not None and torch.equal(model.b.grad, torch.zeros(6)), model.b.grad
+    assert model.b.grad.data_ptr() == opt.groups[0].grad_views[0].data_ptr()  # its alias in the flat gradient
+    assert model.a.grad is None and model.c.grad is None
+    assert set(opt.state_dict()["state"]) == {1} and "momentum_buffer" in opt.state_dict()["state"][1]
+    assert torch.equal(model.b.detach(), before)
+    opt.zero_grad()
+    model(torch.ones(2)).sum().backward()
+    opt.step()
+    opt.flush()
+    assert not torch.equal(model.b.detach(), before)
 
 
 def test_synchronize_then_step_warns_like_horovod_and_skip_synchronize_does_not(one_rank):

@@ -69,11 +69,15 @@ def broadcast_parameters(params, root_rank: int = 0, backend="auto") -> None:
 
 def broadcast_optimizer_state(optimizer, root_rank: int = 0, backend="auto") -> None:
     """Make every rank's optimizer state (and hyper-parameters) equal to ``root_rank``'s: a
-    ``torch.optim`` optimizer's, or a ``DistributedOptimizer``'s: the wrapped optimizer's and osp's own
-    (call ``flush()`` first: its state must hold exact updates). A rank whose state is not made yet (no
-    step so far) gets
-    root's. The state tensors travel in place, on each rank's own device (``broadcast_state``)."""
+    ``torch.optim`` optimizer's, or a ``DistributedOptimizer``'s: the wrapped optimizer's and osp's own.
+    Call it on every rank at the same point (it is a collective): a ``DistributedOptimizer``'s work in flight
+    is flushed there first, so the state sent holds exact updates (as ``hvd.broadcast_optimizer_state`` on it
+    does). A rank whose state is not made yet (no step so far) gets root's, and where root has none yet every
+    rank keeps none (the first step makes it alike everywhere); the gradients are left as they are. The state
+    tensors travel in place, on each rank's own device (``broadcast_state``)."""
     if isinstance(getattr(optimizer, "comm", None), Comm):  # a DistributedOptimizer (no import: no cycle)
+        if optimizer.in_flight:  # the same on every rank: every rank ran the same steps
+            optimizer.flush()
         # its state_dict() holds osp's own part too (OSP's scores and budget decide the next split)
         comm, device = optimizer.comm, optimizer.groups[0].device
     else:

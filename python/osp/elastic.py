@@ -29,6 +29,13 @@ At most the steps since the last commit are redone after a failure; nothing comm
 ``DistributedOptimizer`` of the job must be in the state (pass further ones as keyword arguments):
 one left out would keep collectives of the engine that is gone. Other keyword arguments are handled as
 ``TorchState`` handles them (LR schedulers, ``ElasticSampler``, plain Python values).
+
+Horovod's own ``hvd.elastic.TorchState`` holding a ``DistributedOptimizer`` (the one-line swap from
+``hvd.DistributedOptimizer``) works too, with the same exact commits and restores (``osp.statedict``): its
+``commit()`` flushes before the model is saved, its restore after a failure drops what was in flight, and a
+reset callback, registered when the state first syncs or commits, rebuilds the mode for the new world. It
+lacks the check of a new rank's parameters, and a host change noticed outside ``commit()`` with work in flight
+is refused (naming this class).
 """
 from __future__ import annotations
 
@@ -69,7 +76,9 @@ class _OptimizerHandler(StateHandler):
 
     def restore(self):
         self.value.reset_world()  # what was in flight belongs to the failed engine
-        self.value.load_state_dict(self._saved)
+        # a copy: torch's load_state_dict() keeps the given tensors where they fit (step counts, ...), and the
+        # steps after it would change the commit in place, which a second restore of it must bring back as it was
+        self.value.load_state_dict(copy.deepcopy(self._saved))
 
     def sync(self):
         # the flat state travels in place, on each rank's own device (osp.broadcast.broadcast_state)

@@ -361,11 +361,13 @@ class DistributedOptimizer(keywords.HorovodSurface, torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """The wrapped optimizer's state dict (``state``, ``param_groups``: what Horovod's
         ``broadcast_optimizer_state`` reads and writes in place) plus osp's own under ``"osp"``. Call
-        ``flush()`` (on every rank) first."""
+        ``flush()`` (on every rank) first; Horovod's ``broadcast_optimizer_state`` and ``hvd.elastic.TorchState``'s
+        ``commit()``, which every rank calls at the same point, flush themselves (``osp.statedict``)."""
         return statedict.state_dict(self)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a ``state_dict()`` of this class, or a plain state dict of the wrapped optimizer
-        (e.g. from a run with ``hvd.DistributedOptimizer``)."""
+        (e.g. from a run with ``hvd.DistributedOptimizer``). With work in flight only as a restore of the last commit
+        (``hvd.elastic.TorchState``'s, or while the engine fails), which drops it (``osp.statedict``)."""
         statedict.load_state_dict(self, state_dict)
 

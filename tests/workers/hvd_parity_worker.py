@@ -143,8 +143,10 @@ check_replicas=0: the ranks' first step runs on replicas that differ on purpose 
 def test_broadcast_state_options():
     """Horovod's test_broadcast_state_options: each rank builds its optimizer with other hyper-parameters;
     after a step, broadcast_optimizer_state gives every rank root's, with their Python types, and a
-    second step runs on them. Departs: settle() after each step, and check_replicas=0 (the first step makes the
-    replicas differ on purpose, which osp refuses by default)."""
+    second step runs on them. As Horovod's, the broadcast comes right after step(), with DSync's average still in
+    flight: every rank calls it at the same point, and it flushes first. Departs: settle() after the second step
+    (the optimizer is dropped then), and check_replicas=0 (the first step makes the replicas differ on purpose,
+    which osp refuses by default)."""
     p0 = dict(lr=0.1, momentum=0.8, weight_decay=0.2, nesterov=True, betas=(0.9, 0.999), etas=(0.8, 2.4),
               step_sizes=(1e-5, 100))
     p1 = dict(lr=0.2, momentum=0.9, weight_decay=0.1, nesterov=False, betas=(0.8, 0.9), etas=(0.25, 1.75),
@@ -159,7 +161,6 @@ def test_broadcast_state_options():
         opt.zero_grad()
         F.mse_loss(model(x), y, reduction="sum").backward()
         opt.step()
-        settle(opt)
         hvd.broadcast_optimizer_state(opt, root_rank=0)
         accepted = inspect.signature(cls.__init__).parameters
         ok, detail = True, ""
@@ -176,6 +177,46 @@ def test_broadcast_state_options():
         F.mse_loss(model(x), y, reduction="sum").backward()
         opt.step()
         settle(opt)
+
+
+def test_broadcast_state_in_flight():
+    """Horovod's tests call broadcast_optimizer_state right after step(). Where OSP's stage 2 or DSync's average is
+    in flight then (a model big enough that OSP(0.25) defers blocks), hvd.broadcast_optimizer_state, which every
+    rank calls at the same point, flushes first: the parameters and state it leaves are bitwise those of
+    ``opt.flush()`` by hand. osp.broadcast_optimizer_state does the same. A plain state_dict() with work in flight
+    stays refused, on every rank alike, naming flush()."""
+    x, y = data(300 + rank)
+
+    def run(how):
+        torch.manual_seed(3)
+        model = torch.nn.Sequential(torch.nn.Linear(100, 100), torch.nn.ReLU(), torch.nn.Linear(100, 10))
+        opt = wrap(torch.optim.Adam(model.parameters(), lr=0.01), model.named_parameters())
+        for _ in range(2):
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+        in_flight = opt.in_flight
+        if how == "flush":
+            if in_flight:
+                expect_error("broadcast_state_in_flight/state_dict_refused", RuntimeError,
+                             r"call flush\(\) on every rank first", opt.state_dict)
+            else:
+                check("broadcast_state_in_flight/state_dict_refused", True)
+            opt.flush()
+        elif how == "hvd":
+            hvd.broadcast_optimizer_state(opt, root_rank=0)
+        else:
+            osp.broadcast_optimizer_state(opt, root_rank=0)
+        check(f"broadcast_state_in_flight/{how}/nothing_in_flight", not opt.in_flight)
+        return in_flight, torch.cat([p.detach().reshape(-1) for p in model.parameters()]), state_values(opt)
+
+    in_flight, params, state = run("flush")
+    check("broadcast_state_in_flight/exercised", in_flight == (mode in ("osp-0.25", "dsync-2")), in_flight)
+    check("broadcast_state_in_flight/replicas", torch.equal(params, hvd.broadcast(params, 0, name="bsif")))
+    for how in ("hvd", "osp"):
+        _, p, st = run(how)
+        check(f"broadcast_state_in_flight/{how}_is_flush", torch.equal(p, params) and len(st) == len(state) and all(
+            a[0] == b[0] and same_values(a[1], b[1]) for a, b in zip(st, state)), (p - params).abs().max())
 
 
 def test_broadcast_state_no_grad():
@@ -407,40 +448,36 @@ def test_sparse_embeddings():
 
 
 def test_optimizer_process_sets():
-    """Horovod's test_optimizer_process_sets on 2 ranks: the set {0}; rank 0's optimizer averages over it
-    alone and so equals plain torch.optim on rank 0's data. Departs: rank 1, outside the set, builds no
-    osp optimizer (osp refuses one on a rank outside its set, where Horovod's would train alone)."""
+    """Horovod's test_optimizer_process_sets on 2 ranks: the set {0}, every rank builds its optimizer on it; rank 0's
+    averages over the set alone and rank 1, outside it, steps alone (as under Horovod's optimizer, which registers
+    no hooks there): each equals plain torch.optim on its own data."""
     even = hvd.add_process_set([0])
     try:
         torch.manual_seed(rank)
         x, y = data(100 + rank)
         model = mlp()
         start_w = [p.detach().clone() for p in model.parameters()]
-        if rank == 0:
-            opt = wrap(torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9, weight_decay=0.1),
-                       model.named_parameters(), process_set=even)
-            for _ in range(3):
-                opt.zero_grad()
-                F.mse_loss(model(x), y, reduction="sum").backward()
-                opt.step()
-            settle(opt)
-            ref = mlp()
-            with torch.no_grad():
-                for p, w in zip(ref.parameters(), start_w):
-                    p.copy_(w)
-            plain = torch.optim.SGD(ref.parameters(), lr=0.2, momentum=0.9, weight_decay=0.1)
-            for _ in range(3):
-                plain.zero_grad()
-                F.mse_loss(ref(x), y, reduction="sum").backward()
-                plain.step()
-            pairs = list(zip(model.parameters(), ref.parameters()))
-            close = all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in pairs)
-            exact = all(torch.equal(a, b) for a, b in pairs)
-            check("optimizer_process_sets/one_rank_set_is_plain_torch", exact if bsp else close)
-        else:
-            expect_error("optimizer_process_sets/outside_refused", ValueError, "not in process_set",
-                         lambda: wrap(torch.optim.SGD(model.parameters(), lr=0.2), model.named_parameters(),
-                                      process_set=even))
+        opt = wrap(torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9, weight_decay=0.1),
+                   model.named_parameters(), process_set=even)
+        for _ in range(3):
+            opt.zero_grad()
+            F.mse_loss(model(x), y, reduction="sum").backward()
+            opt.step()
+        settle(opt)
+        ref = mlp()
+        with torch.no_grad():
+            for p, w in zip(ref.parameters(), start_w):
+                p.copy_(w)
+        plain = torch.optim.SGD(ref.parameters(), lr=0.2, momentum=0.9, weight_decay=0.1)
+        for _ in range(3):
+            plain.zero_grad()
+            F.mse_loss(ref(x), y, reduction="sum").backward()
+            plain.step()
+        pairs = list(zip(model.parameters(), ref.parameters()))
+        close = all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in pairs)
+        exact = all(torch.equal(a, b) for a, b in pairs)
+        check("optimizer_process_sets/one_rank_set_is_plain_torch" if rank == 0 else
+              "optimizer_process_sets/outside_steps_alone", exact if bsp else close)
     finally:
         hvd.remove_process_set(even)
 
@@ -500,9 +537,9 @@ def test_compression_and_groups():
         torch.optim.SGD(model.parameters(), lr=0.1), groups=[[model[0].weight, model[0].weight]]))
 
 
-run_all([test_broadcast_state, test_broadcast_state_options, test_broadcast_state_no_grad, test_force_allreduce,
-         test_dynamic_requires_grad, test_gradient_clipping, test_synchronize_step_warning, test_no_named_parameters,
-         test_optimizer_no_named_parameters, test_sparse_embeddings, test_optimizer_process_sets, test_op_and_predivide,
-         test_compression_and_groups])
+run_all([test_broadcast_state, test_broadcast_state_options, test_broadcast_state_in_flight,
+         test_broadcast_state_no_grad, test_force_allreduce, test_dynamic_requires_grad, test_gradient_clipping,
+         test_synchronize_step_warning, test_no_named_parameters, test_optimizer_no_named_parameters,
+         test_sparse_embeddings, test_optimizer_process_sets, test_op_and_predivide, test_compression_and_groups])
 save(outdir)
 shutdown("horovod")

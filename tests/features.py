@@ -92,7 +92,7 @@ FEATURES: Dict[str, Feature] = {f.name: f for f in [
     F("compression", ("compression",), tests=("tests/test_compression.py",
                                               "tests/test_conformance_ranks.py::test_compressed_ranks_equal_the_"
                                               "replay_of_the_compressed_average")),
-    F("process-set", ("process_set",), tests=("tests/test_horovod_parity.py",)),
+    F("process-set", ("process_set",), tests=("tests/test_horovod_parity.py", "tests/test_osp_horovod.py")),
     F("membership", ("check_world",), tests=("tests/test_elastic.py",)),
     F("add-param-group", ("add_param_group",),
       tests=("tests/test_optimizer.py::test_param_groups_changed_after_wrapping_raise",)),

@@ -88,6 +88,9 @@ TWO_RANKS = {
     "join-dsync": "tests/test_join.py::test_join_under_dsync_leaves_at_the_same_step",  # ~15 s
     "join-scheduler": "tests/test_join.py::test_uneven_data_joins_cleanly[spawn-torch-3]",  # ~15 s
     "hsp": "tests/test_hsp.py::test_hsp_with_a_straggler[torch-2-bsp]",  # ~15 s
+    "osp.horovod": "tests/test_osp_horovod.py::test_horovods_functions_on_torch_distributed[spawn]",  # ~15 s
+    "osp.horovod-elastic": "tests/test_osp_horovod.py::test_elastic_resumes_from_the_last_commit_under_torchrun"
+                           "[bsp]",  # ~25 s
 }
 
 M = Mutant
@@ -400,6 +403,23 @@ MUTANTS: List[Mutant] = [
       '    _check_dense(grad, "grad")\n', "",
       T(ops="not cuda"),
       "score_blocks no longer refuses a sparse gradient with a clear message"),
+    # -- horovod/: Horovod's API on torch.distributed ---------------------------------------------------
+    M("hvdapi-average-is-sum", "horovod/ops.py",
+      "                output.div_(n)\n", "                pass\n",
+      TWO_RANKS["osp.horovod"],
+      "hvd.allreduce(op=hvd.Average) returns the sum (Gloo has no average: the division is osp.horovod's)"),
+    M("hvdapi-allgather-padding-kept", "horovod/ops.py",
+      "torch.cat([o[:k] for o, k in zip(outs, lengths)])", "torch.cat(outs)",
+      TWO_RANKS["osp.horovod"],
+      "hvd.allgather of first dimensions that differ returns the padding rows too"),
+    M("hvdapi-outside-set-synchronized", "horovod/basics.py",
+      "        if not self.included():\n            return LocalComm()\n", "",
+      TWO_RANKS["osp.horovod"],
+      "an optimizer on a process set without this rank is built on the set's group (Horovod's steps alone)"),
+    M("hvdapi-elastic-not-resumed", "horovod/elastic.py",
+      "        if state._resume():\n", "        if False:\n",
+      TWO_RANKS["osp.horovod-elastic"],
+      "a worker torchrun restarted starts from scratch instead of the last commit"),
     # -- keywords.py: Horovod's keywords (op, gradient_predivide_factor, groups, sparse_as_dense) -----
     M("kw-sum-prescale-dropped", "keywords.py",
       "return float(size) if self.op == SUM else 1.0 / self.predivide",

@@ -19,8 +19,9 @@ __all__ = ["ops", "Compression", "BSP", "OSP", "DSync", "HSP", "DistributedOptim
 
 def __getattr__(name):
     # osp.elastic imports Horovod, osp.lightning imports Lightning: only when asked for; osp.plan and
-    # osp.profile (a callable module: osp.profile(model, loss_fn, batch)) are tools, loaded on first use
-    if name in ("elastic", "lightning", "plan", "profile"):
+    # osp.profile (a callable module: osp.profile(model, loss_fn, batch)) are tools, and osp.horovod (Horovod's
+    # API on torch.distributed) a way out of Horovod, loaded on first use
+    if name in ("elastic", "horovod", "lightning", "plan", "profile"):
         import importlib
 
         return importlib.import_module("." + name, __name__)

@@ -57,8 +57,10 @@ def save_atomic(obj: Any, path: str) -> None:
         os.close(fd)
 
 
-def load(path: str, map_location="cpu") -> Any:
-    """Read a file written by ``save_atomic``; ``CorruptCheckpoint`` naming the file if it is not whole."""
+def load(path: str, map_location="cpu", weights_only: bool = True) -> Any:
+    """Read a file written by ``save_atomic``; ``CorruptCheckpoint`` naming the file if it is not whole.
+    ``weights_only=False`` unpickles any object (only for files this job wrote itself: osp.horovod.elastic's
+    commits hold the user's own values)."""
     with open(path, "rb") as f:
         data = f.read()
     tail = len(MAGIC) + 32
@@ -70,7 +72,7 @@ def load(path: str, map_location="cpu") -> Any:
         raise CorruptCheckpoint(f"osp: checkpoint {path} is corrupted (its SHA-256 does not match the one "
                                 "written with it)")
     try:
-        return torch.load(io.BytesIO(payload), map_location=map_location, weights_only=True)
+        return torch.load(io.BytesIO(payload), map_location=map_location, weights_only=weights_only)
     except Exception as e:
         raise CorruptCheckpoint(f"osp: checkpoint {path} cannot be loaded: {e}") from e
 
@@ -103,13 +105,13 @@ class CheckpointDir:
             os.unlink(old)
         return path
 
-    def load_latest(self, map_location="cpu") -> Optional[Tuple[int, str, Any]]:
+    def load_latest(self, map_location="cpu", weights_only: bool = True) -> Optional[Tuple[int, str, Any]]:
         """(step, path, object) of the newest readable checkpoint; None if there is none at all."""
         files = self.files()
         bad = []
         for step, path in files:
             try:
-                return step, path, load(path, map_location)
+                return step, path, load(path, map_location, weights_only)
             except CorruptCheckpoint as e:
                 bad.append(path)
                 warnings.warn(f"{e}; falling back to the previous checkpoint", RuntimeWarning, stacklevel=2)

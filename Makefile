@@ -8,7 +8,7 @@ CUDA_SRCS := $(wildcard csrc/cuda/*.cu)
 CUDA_CPP_SRCS := $(wildcard csrc/cuda/*.cpp)
 PYTEST_ARGS ?=
 
-.PHONY: install test test-only lint cuda-check gpu-check bench-kernels bench-accuracy bench-stragglers bench-stragglers-net bench-lightning bench-faults bench-plan bench-tta bench-compression demo check-slow-rank bench stress-exit mutation conformance-random conformance-features clean
+.PHONY: install test test-only test-without-horovod lint cuda-check gpu-check bench-kernels bench-accuracy bench-stragglers bench-stragglers-net bench-lightning bench-faults bench-plan bench-tta bench-compression demo check-slow-rank bench stress-exit mutation conformance-random conformance-features horovod-upstream clean
 
 install:
 	@bash scripts/install.sh
@@ -20,6 +20,11 @@ test: install
 
 test-only:
 	$(PY) -m pytest -q -rs $(PYTEST_ARGS)
+
+# The suite as a user without Horovod runs it (tests/nohorovod: every process finds no Horovod): osp, osp.horovod
+# and everything but the Horovod engine must pass; the engine's tests skip, saying so (about 20 minutes).
+test-without-horovod: install
+	OSP_HIDE_HOROVOD=1 $(PY) -m pytest -q -rs $(PYTEST_ARGS)
 
 # A user's script that returns without any teardown must exit 0: 200 launches under torchrun and
 # 200 under horovodrun, two at a time (about 30 minutes on 2 cores). `make test` runs 10 of each.
@@ -41,6 +46,14 @@ conformance-features: install
 
 mutation: install
 	$(PY) tests/mutation.py $(MUTATION_ARGS)
+
+# Horovod 0.28.1's own test/parallel/test_torch.py (vendored unmodified, tests/third_party/horovod/) against
+# osp.horovod: all 115 TorchTests on 2 ranks under torchrun, CPU (2 to 4 minutes on 2 cores); writes
+# docs/horovod-tests.md and fails where an outcome of expected.json got worse. `make test` runs its passed and
+# refused tests only (tests/test_horovod_upstream.py, under a minute). HVD_UPSTREAM_ARGS="--write-expected" re-measures
+# expected.json.
+horovod-upstream: install
+	$(PY) tests/third_party/horovod/table.py $(HVD_UPSTREAM_ARGS)
 
 lint:
 	$(VENV)/bin/ruff check python tests bench examples

@@ -405,7 +405,7 @@ MUTANTS: List[Mutant] = [
       "score_blocks no longer refuses a sparse gradient with a clear message"),
     # -- horovod/: Horovod's API on torch.distributed ---------------------------------------------------
     M("hvdapi-average-is-sum", "horovod/ops.py",
-      "                output.div_(n)\n", "                pass\n",
+      "                output.div_(_size(group))\n", "                pass\n",
       TWO_RANKS["osp.horovod"],
       "hvd.allreduce(op=hvd.Average) returns the sum (Gloo has no average: the division is osp.horovod's)"),
     M("hvdapi-allgather-padding-kept", "horovod/ops.py",

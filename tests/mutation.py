@@ -620,11 +620,12 @@ _lock = threading.Lock()
 
 
 def make_copy() -> str:
-    """A fresh temporary copy of python/ (with the built extension), tests/ and pyproject.toml (the
-    pytest configuration)."""
+    """A fresh temporary copy of python/ (with the built extension), tests/, what the tests import or run from
+    the checkout (bench/'s code: tests/launch.py waits for ranks with bench.netem; examples/) and pyproject.toml
+    (the pytest configuration)."""
     tmp = tempfile.mkdtemp(prefix="osp-mutation-")
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
-    for d in ("python", "tests"):
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "results", "out")
+    for d in ("python", "tests", "bench", "examples"):
         shutil.copytree(os.path.join(ROOT, d), os.path.join(tmp, d), ignore=ignore)
     shutil.copy2(os.path.join(ROOT, "pyproject.toml"), tmp)
     return tmp

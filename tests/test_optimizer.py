@@ -230,27 +230,11 @@ def local_steps(model, opt, n, seed=1):
         opt.step()
 
 
-class OneRankComm(osp.comm.Comm):
+class OneRankComm(osp.comm.LocalComm):
     """World size 1 on any device (the average of one rank is its own tensor): lets whole steps run on
-    the meta device, where no engine can move data."""
+    the meta device, where no engine can move data. osp's own LocalComm (a rank outside its process set)."""
 
     name = "one-rank"
-    rank, size = 0, 1
-
-    def _start(self, tensor, name, average):
-        return None
-
-    def _complete(self, handle, timeout=None):
-        return True
-
-    def poll(self, handle):
-        return True
-
-    def allgather_object(self, obj):
-        return [obj]
-
-    def broadcast_(self, tensor, root, name):
-        pass
 
 
 class TwoRankMetaComm(OneRankComm):

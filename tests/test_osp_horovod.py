@@ -92,7 +92,8 @@ def _final_loss(proc):
 def test_the_horovod_digits_example_with_only_the_import_changed(tmp_path):
     """examples/horovod_digits.py (Horovod's pytorch_mnist.py laid out on digits) with `import osp.horovod as hvd`
     under torchrun: hvd.DistributedOptimizer (BSP by default) ends at the test loss of real Horovod's optimizer
-    under horovodrun (exactly, where Horovod is installed); the OSP and DSync variants of the script train."""
+    under horovodrun, exactly (where Horovod is installed; 0.4334157705307007 after 10 epochs on 2 ranks); the OSP
+    and DSync variants of the script train."""
     swapped = _swap(tmp_path, "horovod_digits.py")
     env = {"PYTHONPATH": launch.HERE}
     loss = {o: _final_loss(launch.run("torch", 2, [swapped, "--optimizer", o], timeout=240, env=env))
@@ -104,7 +105,7 @@ def test_the_horovod_digits_example_with_only_the_import_changed(tmp_path):
         pytest.skip(f"trained under torchrun without Horovod ({loss}); Horovod is not installed to compare with")
     real = _final_loss(launch.run("horovod", 2, [os.path.join(EXAMPLES, "horovod_digits.py"), "--optimizer", "hvd"],
                                   timeout=240))
-    assert loss["hvd"] == pytest.approx(real, rel=1e-6, abs=1e-7), (loss, real)
+    assert loss["hvd"] == real, (loss, real)  # exactly: the same averages (a sum halved), in the same order
 
 
 @pytest.mark.multiproc

@@ -22,7 +22,7 @@ test-only:
 	$(PY) -m pytest -q -rs $(PYTEST_ARGS)
 
 # The suite as a user without Horovod runs it (tests/nohorovod: every process finds no Horovod): osp, osp.horovod
-# and everything but the Horovod engine must pass; the engine's tests skip, saying so (about 20 minutes).
+# and everything but the Horovod engine must pass; the engine's tests skip, saying so (about 13 minutes).
 test-without-horovod: install
 	OSP_HIDE_HOROVOD=1 $(PY) -m pytest -q -rs $(PYTEST_ARGS)
 

@@ -129,6 +129,8 @@ def run():
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9),
                                    named_parameters=model.named_parameters(), process_set=evens)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)  # alone in its set (rank 0) or outside it (rank 1): local
+    check("process_set/optimizer_state_made", all(p in opt.state for p in model.parameters()))
     opt.zero_grad()
     model(torch.randn(8, 10)).pow(2).sum().backward()
     opt.step()

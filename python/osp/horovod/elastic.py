@@ -115,11 +115,7 @@ class State:
         if newest == 0:
             return False
         root = steps.index(newest)
-        if basics.rank() == root:
-            snap = found[2]
-        else:
-            snap = None
-        snap = broadcast_object(snap, root_rank=root)
+        snap = broadcast_object(found[2] if basics.rank() == root else None, root_rank=root)
         self._commits = snap["commits"]
         self._load_snapshot(snap["state"])
         self.restore()

@@ -21,11 +21,6 @@ from .basics import Average, global_process_set
 _optimizers: "weakref.WeakSet[_OSPOptimizer]" = weakref.WeakSet()  # made here, on the global set: join() joins them
 
 
-def _comm(process_set=global_process_set) -> TorchComm:
-    group = ops._set(process_set, "this function")
-    return TorchComm(group)
-
-
 def DistributedOptimizer(optimizer, named_parameters=None, compression=None, backward_passes_per_step=1, op=Average,
                          gradient_predivide_factor=1.0, num_groups=0, groups=None, sparse_as_dense=False,
                          process_set=global_process_set, sync=None, **kwargs):
@@ -63,7 +58,7 @@ def broadcast_parameters(params, root_rank, process_set=global_process_set) -> N
     from ``root_rank``, in place."""
     if isinstance(params, dict):
         items = sorted(params.items())
-    elif isinstance(params, (list, tuple)) or hasattr(params, "__iter__"):
+    elif hasattr(params, "__iter__"):  # a list of tensors, or of (name, tensor) pairs
         items = [p if isinstance(p, tuple) else (str(k), p) for k, p in enumerate(params)]
     else:
         raise ValueError(f"invalid params of type: {type(params)}")
@@ -86,20 +81,21 @@ def broadcast_optimizer_state(optimizer, root_rank, model=None, process_set=glob
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state")
     if isinstance(optimizer, _OSPOptimizer):
-        if optimizer.mode.in_flight:
-            optimizer.flush()
         if not optimizer.optimizer.state:
             statedict.init_state_for_horovod(optimizer)
         comm, ps = optimizer.comm, optimizer.process_set
     else:
-        comm, ps = _comm(process_set), process_set
+        comm, ps = TorchComm(ops._set(process_set, "broadcast_optimizer_state")), process_set
         if not optimizer.state:
             _init_plain_state(optimizer, model)
-    if comm.size == 1:  # alone (a world of one, or outside the optimizer's process set)
-        return
-    # osp's roots are ranks within the communicator, Horovod's global ranks
-    root = ps.ranks.index(root_rank) if isinstance(ps, basics.ProcessSet) and ps is not global_process_set \
-        else root_rank
+    # osp's roots are ranks within the communicator, Horovod's global ranks (alone: a world of one, or a rank
+    # outside the optimizer's process set, its own); osp's function flushes work in flight first
+    if comm.size == 1:
+        root = 0
+    elif isinstance(ps, basics.ProcessSet) and ps is not global_process_set:
+        root = ps.ranks.index(root_rank)
+    else:
+        root = root_rank
     _bcast.broadcast_optimizer_state(optimizer, root, backend=comm)
 
 

@@ -97,9 +97,9 @@ def test_link_bound_closed_form():
     assert rows["dsync-2"]["step_s"] == pytest.approx(0.24)
     # HSP: compute, then the whole gradient at step()
     assert rows["hsp"]["step_s"] == pytest.approx(0.15 + 0.24 + 0.01)
-    # auto: model share 0.8 * 0.1 / 0.24 = 1/3 gives 0.24 s (its floor 0.05 of the last bucket, 0.25 MB, ends
-    # at 0.22), the quarter 1/12 ties it, so the larger share stays
-    assert rows["osp-auto"]["critical"] == pytest.approx(1 / 3)
+    # auto (osp.stepmodel.decide from BSP): every share of the grid below 1 is link-bound at 0.24 s, 25% faster
+    # than BSP; on the tie the largest share, 0.5, defers least
+    assert rows["osp-auto"]["critical"] == 0.5
     assert rows["osp-auto"]["step_s"] == pytest.approx(0.24)
     # the bound: max(0.15 + 0.01, 0.24); 2 ranks x 10 samples a step
     for r in rows.values():
@@ -234,13 +234,24 @@ def test_compute_is_the_median_over_the_profiles_modes():
     assert rows["bsp"]["step_s"] == pytest.approx(0.15 + 0.0004 + 0.01)  # the last bucket after backward
 
 
-def test_auto_models_its_share_on_the_window_it_measures():
-    """auto's modelled share is 0.8 * window / T(all), the window from the first gradient landing (here 60 ms
-    into backward) to the last (100 ms): 0.8 * 0.04 / 0.24 = 2/15 at 1 Gbit/s, not the whole backward's 1/3."""
+def test_auto_is_the_share_the_step_model_decides():
+    """The plan's osp-auto row is ``osp.stepmodel.decide`` on the profile's step: the shortest predicted step of
+    the grid, a tie (within 1%) to the largest share, and BSP unless a share is predicted at least 3% faster.
+    Checked against a brute force over the grid by the plan's own step_osp, on links from fast to slow."""
+    from osp import stepmodel
+    from osp.plan import AUTO_MIN_CRITICAL, step_bsp, step_osp
+
     p = synthetic()
-    assert by_mode(plan(p, Cluster(2, 1e9)))["osp-auto"]["critical"] == pytest.approx(1 / 3)
-    p["first_ready_s"] = 0.06
-    assert by_mode(plan(p, Cluster(2, 1e9)))["osp-auto"]["critical"] == pytest.approx(2 / 15)
+    for link in (1e8, 3e8, 1e9, 2e9, 5e9, 1e10, 1e11):
+        c = Cluster(2, link)
+        pred = {s: step_osp(p, c, s, AUTO_MIN_CRITICAL) for s in stepmodel.GRID if s < 1}
+        best = max(s for s in pred if pred[s] <= 1.01 * min(pred.values()))
+        want = best if pred[best] < 0.97 * step_bsp(p, c) else 1.0
+        row = by_mode(plan(p, c))["osp-auto"]
+        assert row["critical"] == want, (link, pred, step_bsp(p, c))
+        assert row["step_s"] == pytest.approx(pred.get(want, step_bsp(p, c)))
+    assert by_mode(plan(p, Cluster(2, 1e11)))["osp-auto"]["critical"] == 1.0  # the allreduce hides in backward
+    assert by_mode(plan(p, Cluster(2, 1e8)))["osp-auto"]["critical"] < 1.0
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -34,9 +34,9 @@ The model, stated so it can be checked (``tests/test_plan.py`` holds it to these
   ``min_critical``; the others take over the rest of its quota), behind the previous step's stage 2 (the
   deferred ``1 - s`` of the gradient, issued at the previous ``step()``) on the link:
   ``t = max(F + B, end of the last critical bucket) + S``, the link starting the step busy for
-  ``T(deferred) - S``. ``auto``: the share ``auto``'s rule picks, by this model's times instead of measured
-  ones (``0.8 * W / T(all)``, ``W`` the backward window ``auto`` measures, from the first gradient landing to the
-  last; a quarter of it, and 1; a smaller share only if at least 3% faster).
+  ``T(deferred) - S``. These two formulas are ``osp.stepmodel``'s, the model ``OSP(critical="auto")`` decides by
+  online. ``auto``: the share ``osp.stepmodel.decide`` picks from BSP by this model's times, as ``auto`` does from
+  its measurements (the shares of ``stepmodel.GRID``; a smaller share only if predicted at least 3% faster).
 - **DSync(k)**, ``k >= 1``: the averages start during backward and are needed ``k`` steps later, so in steady
   state ``t = max(F + B + S, T(all buckets))``.
 - **HSP**: one sum of the whole gradient at ``step()`` after a tiny "ready" round (no overlap with backward):
@@ -69,6 +69,8 @@ import re
 import statistics
 import sys
 from typing import Dict, List, Optional, Sequence
+
+from . import stepmodel
 
 AUTO_MIN_CRITICAL = 0.05  # osp.OSP(critical="auto")'s default floor (docs/design.md, The budget)
 # TCP over Ethernet at MTU 1500: 1448 bytes of payload (1500 less IPv4's 20 and TCP's 32 with timestamps) in a
@@ -251,82 +253,34 @@ def _ready(profile: dict, cluster: Cluster) -> List[float]:
     return [scale * b["ready_s"] for b in profile["buckets"]]
 
 
-def _link_chain(start_free: float, issues: Sequence[tuple], cluster: Cluster) -> float:
-    """When the last of ``issues`` (``(bytes, issued at)``, in issue order) ends on a link free from
-    ``start_free``: each starts at max(its issue, the previous one's end)."""
-    end = start_free
-    for nbytes, at in issues:
-        if nbytes > 0:
-            end = max(end, at) + cluster.allreduce_s(nbytes)
-    return end
+def model_step(profile: dict, cluster: Cluster) -> stepmodel.Step:
+    """The profile on ``cluster`` as ``osp.stepmodel`` describes a step (the slowest rank's): compute ``F + B``,
+    each bucket ready at ``F`` plus its ready time, the link ``cluster.allreduce_s``, BSP's and OSP's own step."""
+    F, B, S_bsp = _compute(profile, "bsp", cluster)
+    S_osp = _compute(profile, "osp", cluster)[2]
+    return stepmodel.Step(compute=F + B, ready=[F + r for r in _ready(profile, cluster)],
+                          nbytes=[b["bytes"] for b in profile["buckets"]], link=cluster.allreduce_s,
+                          work_bsp=S_bsp, work_osp=S_osp)
 
 
 def step_bsp(profile: dict, cluster: Cluster) -> float:
-    F, B, S = _compute(profile, "bsp", cluster)
-    sizes = [b["bytes"] for b in profile["buckets"]]
-    end = _link_chain(0.0, [(b, F + r) for b, r in zip(sizes, _ready(profile, cluster))], cluster)
-    return max(F + B, end) + S
+    return stepmodel.step_bsp(model_step(profile, cluster))
 
 
 def osp_quotas(profile: dict, share: float, min_critical: float = 0.0) -> List[float]:
-    """Critical bytes per bucket at ``share``: the bucket ready last keeps ``min_critical`` of its bytes,
-    the others take over the rest of its quota in proportion to their size (docs/design.md, OSP)."""
-    sizes = [b["bytes"] for b in profile["buckets"]]
-    if not sizes:
-        return []
-    last = max(range(len(sizes)), key=lambda i: profile["buckets"][i]["ready_s"])
-    if share >= 1.0 or len(sizes) == 1:
-        return [share * s for s in sizes]
-    quota = [share * s for s in sizes]
-    keep = min(quota[last], max(min_critical, 0.0) * sizes[last])
-    spare = quota[last] - keep
-    quota[last] = keep
-    others = [i for i in range(len(sizes)) if i != last]
-    room = sum(sizes[i] - quota[i] for i in others)
-    for i in others:  # in proportion to what each can still take; whatever does not fit stays with the last
-        quota[i] += spare * (sizes[i] - quota[i]) / room if room > 0 else 0.0
-    if room < spare:
-        quota[last] += spare - room
-    return quota
+    """Critical bytes per bucket at ``share`` (``osp.stepmodel.quotas``)."""
+    return stepmodel.quotas([b["bytes"] for b in profile["buckets"]], [b["ready_s"] for b in profile["buckets"]],
+                            share, min_critical)
 
 
 def step_osp(profile: dict, cluster: Cluster, share: float, min_critical: float = 0.0) -> float:
-    if share >= 1.0:
-        return step_bsp(profile, cluster)
-    F, B, S = _compute(profile, "osp", cluster)
-    total = sum(b["bytes"] for b in profile["buckets"])
-    quotas = osp_quotas(profile, share, min_critical)
-    ready = _ready(profile, cluster)
-    deferred = total - sum(quotas)
-    # the previous step's stage 2, issued at its step() (S before this step starts), holds the link first
-    start_free = cluster.allreduce_s(deferred) - S if deferred > 0 else 0.0
-    end = _link_chain(start_free, [(q, F + r) for q, r in zip(quotas, ready)], cluster)
-    return max(F + B, end) + S
+    return stepmodel.step_osp(model_step(profile, cluster), share, min_critical)
 
 
 def auto_share(profile: dict, cluster: Cluster) -> float:
-    """The share ``critical="auto"`` settles on, by this model's step times: fully critical, the modelled
-    share ``0.8 * window / allreduce`` (the window: what ``auto`` measures, from the first gradient landing to the
-    last; the whole backward for a profile without ``first_ready_s``), and a quarter of it (at least 0.05); a
-    smaller share only if at least 3% faster."""
-    _, B, _ = _compute(profile, "bsp", cluster)
-    if "first_ready_s" in profile:  # auto's own window: from the first gradient landing to the last
-        total = sum(b["bytes"] for b in profile["buckets"])
-        first = cluster.straggler * _ready_scale(profile) * profile["first_ready_s"]
-        B = max(_ready(profile, cluster), default=0.0) - first \
-            + cluster.host_cpu_s(total)  # the collective's CPU work lengthens it on a shared host, as backward
-    t_all = cluster.allreduce_s(sum(b["bytes"] for b in profile["buckets"]))
-    if t_all <= 0:
-        return 1.0
-    model = 0.8 * B / t_all
-    if model >= 1.0:
-        return 1.0
-    best, best_t = 1.0, step_bsp(profile, cluster)
-    for share in (model, max(AUTO_MIN_CRITICAL, model / 4)):
-        t = step_osp(profile, cluster, share, AUTO_MIN_CRITICAL)
-        if t <= best_t / 1.03:
-            best, best_t = share, t
-    return best
+    """The share ``critical="auto"`` runs: ``osp.stepmodel.decide`` from BSP (where ``auto`` starts), by this
+    model's step times, as ``auto`` decides by the same model fed with its measurements."""
+    return stepmodel.decide(model_step(profile, cluster), 1.0, AUTO_MIN_CRITICAL)[0]
 
 
 def step_dsync(profile: dict, cluster: Cluster, delay: int) -> float:

@@ -49,13 +49,14 @@ class Mutant:
 
 FILES = {"conf": "tests/test_conformance.py", "opt": "tests/test_optimizer.py", "ops": "tests/test_ops.py",
          "hsp": "tests/test_hsp.py", "comp": "tests/test_compression.py", "int": "tests/test_intersections.py",
-         "hvd": "tests/test_horovod_parity.py", "arr": "tests/test_arrivals.py", "plan": "tests/test_plan.py"}
+         "hvd": "tests/test_horovod_parity.py", "arr": "tests/test_arrivals.py", "plan": "tests/test_plan.py",
+         "auto": "tests/test_auto.py"}
 
 
 def T(conf: Optional[str] = None, **more: str) -> str:
     """The fast in-process tests for a mutant: ``conf``, a -k expression over the cases of the one-rank
     conformance oracle (ids ``mode|pattern|optimizer|dtype[|compression|feature]``); ``opt=``, ``ops=``,
-    ``hsp=``, ``comp=``, ``int=``, ``hvd=``, ``arr=``, ``plan=``: -k expressions over the tests of that file
+    ``hsp=``, ``comp=``, ``int=``, ``hvd=``, ``arr=``, ``plan=``, ``auto=``: -k expressions over the tests of that file
     (``FILES``). One -k expression, each part qualified by its file (pytest takes only the last -k), and
     never a multiproc test. The other files run first: their few tests are the quicker kill (pytest -x
     stops at the first failure). Where only real ranks can show a bug, a mutant names the one multiproc
@@ -271,23 +272,33 @@ MUTANTS: List[Mutant] = [
       "torch.sort(scores, descending=True, stable=True)", "torch.sort(scores, descending=False, stable=True)",
       T("osp-auto or osp-0.25", opt="select_critical or bucket_ready_last or auto_ or critical_zero or one_rank_osp"),
       "select_critical picks the LOWEST-scoring blocks"),
-    M("policy-settle-without-bsp", "policy.py",
-      "        if \"bsp\" not in med:", "        if False:",
-      T("osp-auto", opt="auto_"),
-      "auto settles with no fully critical iteration counted (KeyError after a resume in the probe)"),
+    M("policy-trial-unchecked", "policy.py",
+      "        if a >= b:  # no faster", "        if a >= 10 * b:  # no faster",
+      T(auto="auto_"),
+      "auto keeps a share its measured steps show slower than the one it left (the check never fires)"),
+    M("policy-noise-ignored", "policy.py",
+      "        margin = max(stepmodel.MARGIN, noise, error)", "        margin = stepmodel.MARGIN",
+      T(auto="auto_"),
+      "auto leaves its share for a predicted gain below the measured noise (dithers)"),
+    M("policy-shift-ignored", "policy.py",
+      "        if moved > math.log1p(self.SHIFT):", "        if moved > 100:",
+      T(auto="auto_"),
+      "auto does not follow a link that changes (its vetoes and measured steps outlive the link)"),
     M("policy-count-floor", "policy.py",
       "max(math.ceil(frac * nblocks), math.ceil(self.min_critical * nblocks))",
       "max(int(frac * nblocks), math.ceil(self.min_critical * nblocks))",
       T("osp-auto or osp-0.25", opt="select_critical or bucket_ready_last or auto_ or critical_zero or one_rank_osp"),
       "the critical count rounds down (documented: ceil(critical * nblocks))"),
-    M("policy-margin-sign", "policy.py",
-      "med[k] < (1.0 - self.MARGIN) * med[best]", "med[k] < (1.0 + self.MARGIN) * med[best]",
-      T("osp-auto or osp-0.25", opt="select_critical or bucket_ready_last or auto_ or critical_zero or one_rank_osp"),
-      "auto keeps a smaller share that is up to 3% SLOWER than BSP"),
-    M("policy-small-share-below-floor", "policy.py",
-      "small = max(self.min_critical, self.model / 4)", "small = min(self.min_critical, self.model / 4)",
-      T("osp-auto or osp-0.25", opt="select_critical or bucket_ready_last or auto_ or critical_zero or one_rank_osp"),
-      "auto's small trial ignores the min_critical floor"),
+    M("stepmodel-tie-to-smallest", "stepmodel.py",
+      "    best = max(s for s in options if pred[s] <= (1.0 + TIE) * fastest)",
+      "    best = min(s for s in options if pred[s] <= (1.0 + TIE) * fastest)",
+      T(auto="decide", plan="auto"),
+      "a tie between shares goes to the one that defers most"),
+    M("stepmodel-margin-sign", "stepmodel.py",
+      "    if best != current and pred[best] < (1.0 - margin) * pred[current]:",
+      "    if best != current and pred[best] < (1.0 + margin) * pred[current]:",
+      T(auto="decide or auto_", plan="auto"),
+      "auto leaves its share for a share predicted up to the margin SLOWER"),
     # -- agreement.py and OSP's side channel -------------------------------------------------------
     M("side-presence-off-by-one", "agreement.py",
       "return self._v[self._a.presence_at:]", "return self._v[self._a.presence_at + 1:]",
@@ -589,9 +600,9 @@ MUTANTS: List[Mutant] = [
       "    return F + B + ready + cluster.allreduce_s(total) + S", "    return F + B + cluster.allreduce_s(total) + S",
       T(plan="closed_form or straggler or shared_host or latency"),
       "HSP's step leaves out its \"ready\" round (2(N-1) * latency)"),
-    M("plan-osp-stage2-not-on-link", "plan.py",
-      "start_free = cluster.allreduce_s(deferred) - S if deferred > 0 else 0.0", "start_free = 0.0",
-      T(plan="closed_form or straggler or shared_host or latency"),
+    M("plan-osp-stage2-not-on-link", "stepmodel.py",
+      "    start_free = st.link(deferred) - st.work_osp if deferred > 0 else 0.0", "    start_free = 0.0",
+      T(plan="closed_form or straggler or shared_host or latency", auto="closed_forms"),
       "OSP's step finds the link free: the previous step's stage 2 is not on it"),
     M("plan-host-steal-dropped", "plan.py",
       'steal = 0.0 if mode in ("plain", "hsp") else cluster.host_cpu_s(sum(b["bytes"] for b in profile["buckets"]))',

@@ -350,54 +350,6 @@ def test_step_hooks_run_once_per_step(one_rank, sync, make_opt):
     assert calls == ["pre", "inner-post", "post", "global"] * 4
 
 
-def _feed_budget(iterations, bw: float, backward: float = 0.05, nbytes: float = 32e6):
-    """An 'auto' budget fed the measurements a step would average across ranks, each step's iteration
-    time by the critical share it ran at (``iterations``: for all critical, for the model share near
-    0.125, for the smaller one); returns the budget and the critical share of each of 16 steps (the
-    count of 1000 blocks asked before the step, rounded to 0.01)."""
-    from osp.policy import Budget
-    b = Budget("auto", 0.05, warmup=2)
-    shares, ran = [], []
-    for step in range(1, 17):
-        shares.append(round(b.count(1000) / 1000, 2))
-        # a bandwidth sample arrives a step late, from the warmup steps only
-        b.update(nbytes, bw if step in (2, 3) else 0.0, backward, iterations[ran[-1]] if ran else 0.0)
-        ran.append(shares[-1])
-    return b, shares
-
-
-# a slow link: 32 MB in 0.32 s against a 50 ms backward; the model share is 0.8 * 0.05 / 0.32 = 0.125,
-# a quarter of it is below min_critical (0.05)
-SLOW = dict(bw=1e8)
-
-
-def test_auto_defers_where_it_pays_and_holds():
-    """The model share beats BSP by 20% and the smaller one is no faster: from step 10 on, the model's."""
-    b, shares = _feed_budget({1.0: 0.40, 0.13: 0.32, 0.05: 0.32}, **SLOW)
-    assert shares[:4] == [1.0] * 4 and shares[4:6] == [0.13] * 2 and shares[6:9] == [0.05] * 3, shares
-    assert shares[9:] == [0.13] * 7 and b.phase == "settled" and b.in_backward and b.needs_scores
-
-
-def test_auto_takes_the_smaller_share_when_it_is_faster():
-    """The step waits for the last bucket's critical blocks after backward: fewer of them pay."""
-    b, shares = _feed_budget({1.0: 0.40, 0.13: 0.34, 0.05: 0.30}, **SLOW)
-    assert shares[9:] == [0.05] * 7 and b.phase == "settled", shares
-
-
-def test_auto_falls_back_to_bsp_where_deferring_does_not_pay():
-    """Neither share's steps are 3% faster than BSP's: fully critical from step 10 on, and handed to BSP
-    for good (no scores needed)."""
-    b, shares = _feed_budget({1.0: 0.40, 0.13: 0.395, 0.05: 0.399}, **SLOW)
-    assert shares[4:9] == [0.13, 0.13, 0.05, 0.05, 0.05] and shares[9:] == [1.0] * 7, shares
-    assert b.phase == "settled" and not b.needs_scores
-
-
-def test_auto_stays_bsp_where_the_allreduce_hides_in_backward():
-    """A fast link (32 MB in 32 ms against a 50 ms backward): the model says every block fits in
-    backward; settled fully critical at step 4, nothing tried."""
-    b, shares = _feed_budget({1.0: 0.1}, bw=1e9)
-    assert shares == [1.0] * 16 and b.phase == "settled" and b.model == 1.0 and not b.needs_scores
-    assert not b.iterations["model"] and not b.iterations["small"]
 
 
 @pytest.mark.parametrize("critical", [0.25, 0.9])
@@ -673,27 +625,6 @@ def test_select_critical_takes_the_highest_scores_ties_to_the_lower_index():
     assert select_critical(s, 3).tolist() == [False, True, True, False, True]  # the tie at 3.0: both
     assert select_critical(torch.tensor([1.0, 1.0, 1.0]), 1).tolist() == [True, False, False]
     assert select_critical(s, 0).tolist() == [False] * 5 and select_critical(s, 9).tolist() == [True] * 5
-
-
-def test_auto_skips_the_smaller_trial_when_the_model_share_is_the_floor():
-    """A link so slow that the modelled share is min_critical already: no 'small' trial (it would run the
-    same share), settled two steps sooner."""
-    b, shares = _feed_budget({1.0: 0.40, 0.05: 0.30}, bw=1e7)  # 32 MB in 3.2 s: 0.8 * 0.05 / 3.2 < 0.05
-    assert b.model == 0.05 and "small" not in b.shares and not b.iterations["small"], (b.shares, shares)
-    assert shares[4:7] == [0.05] * 3 and b.phase == "settled", shares
-
-
-def test_auto_measures_bsp_again_when_none_of_its_iterations_counted():
-    """A resume in the middle of the BSP probe loses the timing of its steps (the iteration before a step
-    arrives with it): the budget probes BSP again instead of comparing with nothing."""
-    from osp.policy import Budget
-    b = Budget("auto", 0.05, warmup=2)
-    for step in range(1, 30):
-        iteration = 0.0 if step <= 6 else (0.40 if b.count(1000) == 1000 else 0.32)
-        b.update(32e6, 1e8 if step in (2, 3) else 0.0, 0.05, iteration)
-        if b.phase == "settled":
-            break
-    assert b.phase == "settled" and b.iterations["bsp"] and b.fraction < 1.0, (b.phase, b.iterations)
 
 
 @pytest.mark.parametrize("sync", [osp.BSP(), osp.OSP(critical=0.25), osp.DSync(delay=1)], ids=["bsp", "osp", "dsync"])

@@ -174,7 +174,7 @@ def test_help_gives_every_flag_a_help_and_its_default():
     ("bsp", "sync=bsp ranks=1", ["critical=", "delay="], []),
     ("dsync", "sync=dsync delay=2 ranks=1", ["critical="], ["DSync: delay 2 (fixed)"]),
     ("osp", "sync=osp critical=auto min_critical=0.05 block_size=512 metric=l2 ranks=1", ["delay="],
-     ["OSP auto: settled on critical share "]),
+     ["OSP auto: critical share "]),
     ("hvd", None, [], []),
 ])
 def test_header_shows_the_modes_options_and_the_end_what_it_decided(sync, shown, hidden, decided, tmp_path):
@@ -212,7 +212,7 @@ def test_train_behind_an_emulated_link_names_it(tmp_path):
     launch.check(proc)
     text = proc.stdout
     assert "osp.train: emulated link: 100 Mbit/s, 1000 us per collective (user space; not a real network)" in text
-    assert "docs/benchmarks.md" in text and "osp.train: OSP auto: settled on critical share" in text, text
+    assert "docs/benchmarks.md" in text and "osp.train: OSP auto: critical share" in text, text
     assert "no slow rank" in text or "slow rank" in text, text
     res = json.loads(out.read_text())
     assert res["config"]["link"] == "100mbit,1ms"
@@ -285,7 +285,7 @@ def fake_run(sync, rates, critical="auto", share=None, acc=0.95, ranks=2, link=N
         if sync == "osp":
             r["osp_stats"] = {"mean": {"critical_fraction": 0.5, "stage1_s": 0.01, "stage2_wait_s": 0.0,
                                        "compute_s": 0.1},
-                              "budget": {"phase": "settled", "fraction": share}}
+                              "budget": {"phase": "auto", "fraction": share}}
         runs.append(r)
     return runs
 

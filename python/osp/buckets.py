@@ -52,6 +52,7 @@ class Buckets:
                 self.buckets.append((fg, lo, hi, cur))
         self._bucket_of = {p: b for b, (_, _, _, ps) in enumerate(self.buckets) for p in ps}
         self.dest: Callable[[FlatGroup], torch.Tensor] = lambda fg: fg.grad
+        self.meter = None  # an osp.policy.Meter told when each bucket is issued (OSP's auto measures the step)
         self.reset()
 
     def reset(self, dest: Callable[[FlatGroup], torch.Tensor] = None, tag: str = "") -> None:
@@ -81,13 +82,15 @@ class Buckets:
                 break
             fg.gather_grads(ps)
             if self.start is not None:
-                self.launched.append(self.start(b))
-                continue
-            buf = self.dest(fg)
-            if buf is not fg.grad:
-                buf[lo:hi].copy_(fg.grad[lo:hi])
-            self.launched.append(self.comm.allreduce_avg_async_(buf[lo:hi], f"{self.name}{self.tag}.{b}",
-                                                                 wire=self.wire(fg)))
+                h = self.start(b)
+            else:
+                buf = self.dest(fg)
+                if buf is not fg.grad:
+                    buf[lo:hi].copy_(fg.grad[lo:hi])
+                h = self.comm.allreduce_avg_async_(buf[lo:hi], f"{self.name}{self.tag}.{b}", wire=self.wire(fg))
+            self.launched.append(h)
+            if self.meter is not None:
+                self.meter.issued(b, h)
         return self.launched
 
     def wait(self, handles: Sequence[Optional[Handle]], timeout: float, what: str) -> None:

@@ -25,13 +25,17 @@ class Handle:
     ``Comm.wait`` / ``Comm.poll`` of the communicator that started it. Compressed (``wire``), ``tensor`` is
     the buffer on the wire and ``target`` the caller's tensor, which receives the result when it lands."""
 
-    __slots__ = ("tensor", "work", "done", "average", "name", "target", "resum", "due")
+    __slots__ = ("tensor", "work", "done", "average", "name", "target", "resum", "due", "t0", "t1")
 
     def __init__(self, tensor: torch.Tensor, work: Any, average: bool = True, name: str = ""):
         self.tensor, self.work, self.done, self.average, self.name = tensor, work, False, average, name
         self.target: Optional[torch.Tensor] = None
         self.resum = False  # compressed: a sum was asked for, and the wire carried the average
         self.due: Optional[float] = None  # an emulated link's end of this collective (osp.linkemu), if one
+        # when it was issued and completed (time.monotonic(); t1 None until known): what OSP(auto)'s meter
+        # measures the link by (osp.policy.Meter)
+        self.t0: Optional[float] = None
+        self.t1: Optional[float] = None
 
     @property
     def result(self) -> torch.Tensor:
@@ -84,8 +88,10 @@ class Comm(abc.ABC):
         if tensor.numel() == 0:
             h.done = True
             return h
+        h.t0 = time.monotonic()
         h.work = self._start(tensor, name, average_on_wire)
         h.due = linkemu.reserve(tensor.numel() * tensor.element_size(), self.size)  # None: no emulated link
+        self._watch(h)
         inflight = self._handles()
         if not inflight:
             teardown.busy(self)  # completed at exit if nobody waits for it
@@ -96,6 +102,11 @@ class Comm(abc.ABC):
     def _start(self, tensor: torch.Tensor, name: str, average: bool) -> Any:
         """Start the engine's allreduce (average or sum) of ``tensor``; returns its work object."""
         raise NotImplementedError
+
+    def _watch(self, handle: Handle) -> None:
+        """Have ``handle.t1`` set when the engine completes the collective, where the engine can say (a
+        callback); by default it is set when osp finds it done (``_landed``)."""
+        return None
 
     @abc.abstractmethod
     def _complete(self, handle: Handle, timeout: Optional[float] = None) -> bool:
@@ -121,6 +132,10 @@ class Comm(abc.ABC):
 
     def _landed(self, handle: Handle) -> None:
         if not handle.done:
+            if handle.t1 is None:
+                handle.t1 = time.monotonic()
+            if handle.due is not None:  # an emulated link ends it no sooner than its booked end
+                handle.t1 = max(handle.t1, handle.due)
             if handle.target is not None:  # decompressed: the average, times the ranks where a sum was asked
                 handle.target.copy_(handle.tensor)
                 if handle.resum:
@@ -374,6 +389,15 @@ class TorchComm(Comm):
 
     def _start(self, tensor, name, average):
         return self.dist.all_reduce(tensor, group=self.group, async_op=True)
+
+    def _watch(self, handle):
+        # Gloo completes a CPU collective's future in its own thread when the collective ends: note the time
+        # there. NCCL's future completes when the work is queued, which times nothing: osp's own wait does then
+        if not handle.tensor.is_cuda and handle.work is not None:
+            def done(_fut, h=handle):
+                if h.t1 is None:
+                    h.t1 = time.monotonic() if h.due is None else max(time.monotonic(), h.due)
+            handle.work.get_future().add_done_callback(done)
 
     def _complete(self, handle, timeout=None):
         if timeout is None or handle.tensor.is_cuda:

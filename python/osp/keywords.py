@@ -178,7 +178,7 @@ class HorovodSurface:
         average is only complete inside (or after) ``step()``, so an edit of ``.grad`` between the two
         could not act on it; ``clip_grad_norm_`` is the exact alternative for clipping."""
         self._acc.check_fresh()
-        if not self.mode.grad_is_average:
+        if not self.mode.grad_is_average or self.mode.may_defer:
             raise RuntimeError(
                 f"osp: synchronize() is for osp.BSP(): with {self.sync!r} the average gradient is only complete "
                 "inside step() (the deferred part arrives while the next step computes), so .grad cannot be "

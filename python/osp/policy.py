@@ -1,14 +1,16 @@
-"""How OSP picks the critical blocks: the budget (a fixed ratio, or "auto"), the selection, and each step's split."""
+"""How OSP picks the critical blocks: the budget (a fixed ratio, or "auto" with what it measures), the selection, and
+each step's split."""
 from __future__ import annotations
 
 import math
 import statistics
+import time
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from . import ops
+from . import ops, stepmodel
 
 
 def select_critical(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -25,156 +27,335 @@ def select_critical(scores: torch.Tensor, k: int) -> torch.Tensor:
     return mask
 
 
+class Meter:
+    """What one rank measures of its steps for ``auto`` (and ``stats()``), in the terms of ``osp.stepmodel``: from
+    the step's start (the end of the previous ``step()``), when each bucket's average was issued and when backward
+    ended; the ``step()``'s own work (its time less its waits for the network); the time from one step's end to
+    the next; and the link's achieved rate: the gradient bytes of the collectives that completed over the time
+    the link had at least one of them in flight (the union of their intervals, so that stage 2 and the next
+    stage 1 sharing the link count once). A collective's end is when its engine completed it (a Gloo future's
+    callback); where the engine tells nobody (Horovod, NCCL), when osp found it done: a rate then errs low.
+
+    ``figures()`` is this rank's part of the step's agreement (``FIELDS``, milliseconds and MB/s); the sum lands
+    identical on every rank and ``Budget.update`` decides from it, so every rank decides alike."""
+
+    def __init__(self, nbuckets: int):
+        self.nbuckets = nbuckets
+        self.fields = ("compute_ms", "work_ms", "iteration_ms", "rate_mbps", "rate_n", "started") + tuple(
+            f"ready{b}_ms" for b in range(nbuckets))
+        self._t_end: Optional[float] = None  # the last step's end: this step's start
+        self._iteration = 0.0  # the last step's time from the end of the one before it
+        self._ready: List[Optional[float]] = [None] * nbuckets
+        self._compute: Optional[float] = None
+        self._entry: Optional[float] = None
+        self._waited = 0.0
+        self._work = 0.0  # the last step's own work
+        self._flights: List[tuple] = []  # (handle, gradient bytes) of collectives not yet seen complete
+        self._done: List[tuple] = []  # (t0, t1, bytes) of the completed ones of the last two samples
+        self._marks: List[int] = []  # how many of ``_done`` each of the last samples added
+        self.sample_rate: Optional[float] = None  # bytes/s: overrides every sample while set (tests)
+
+    @staticmethod
+    def now() -> float:
+        return time.monotonic()  # the clock of Handle.t0 / t1 and osp.linkemu
+
+    def _since_start(self) -> float:
+        return 0.0 if self._t_end is None else self.now() - self._t_end
+
+    def issued(self, b: int, handle) -> None:
+        """Bucket ``b``'s average was issued (its gradient is ready); ``handle``: None where nothing travels."""
+        if self._ready[b] is None:
+            self._ready[b] = self._since_start()
+        if handle is not None:
+            self.track(handle)
+
+    def track(self, handle) -> None:
+        """A bulk collective whose time measures the link (not the agreement's small sums)."""
+        if handle is not None:
+            res = handle.result
+            self._flights.append((handle, res.numel() * res.element_size()))
+
+    def backward_end(self) -> None:
+        if self._compute is None:
+            self._compute = self._since_start()
+
+    def entry(self) -> None:
+        """``step()`` was called: backward ended by now (a mode told of no backward pass: its buckets start here)."""
+        self.backward_end()
+        self._entry, self._waited = self.now(), 0.0
+
+    def waited(self, seconds: float) -> None:
+        """``step()`` waited this long for the network (not its own work)."""
+        self._waited += seconds
+
+    def end(self) -> None:
+        """``step()`` returns: the step's work and iteration; the next step starts now."""
+        t = self.now()
+        if self._entry is not None:
+            self._work = max(0.0, t - self._entry - self._waited)
+        self._iteration = 0.0 if self._t_end is None else t - self._t_end
+        self._t_end, self._entry = t, None
+        self._ready, self._compute = [None] * self.nbuckets, None
+
+    def restart(self) -> None:
+        """This step's backward runs again (``no_sync``-less re-entry): its ready times start over."""
+        self._ready, self._compute = [None] * self.nbuckets, None
+
+    def _rate(self) -> float:
+        """The link's achieved rate over the collectives completed since the last two samples (bytes/s; 0: none)."""
+        keep = []
+        added = 0
+        for h, nbytes in self._flights:
+            t1 = getattr(h, "t1", None)
+            if t1 is None and h.done:
+                t1 = self.now()
+            if t1 is None:
+                keep.append((h, nbytes))
+            elif h.t0 is not None:
+                self._done.append((h.t0, t1, nbytes))
+                added += 1
+        self._flights = keep
+        self._marks.append(added)
+        if len(self._marks) > 2:
+            self._done = self._done[self._marks.pop(0):]
+        if not added:
+            return 0.0
+        union, end, total = 0.0, -math.inf, 0
+        for t0, t1, nbytes in sorted(self._done):
+            total += nbytes
+            if t1 > end:
+                union += t1 - max(t0, end)
+                end = t1
+        return total / union if union > 0 and total > 0 else 0.0
+
+    def figures(self) -> dict:
+        """This rank's part of the step's agreement (see ``FIELDS``): this step's compute and ready times, the
+        last step's work and iteration, a rate sample (``rate_n`` 1 where there is one), and whether this step's
+        start is known (``started``: not on a rank's first step, whose times count from nothing)."""
+        rate = self._rate()
+        if self.sample_rate is not None:
+            rate = self.sample_rate
+        compute = self._compute if self._compute is not None else self._since_start()
+        out = {"compute_ms": 1e3 * compute, "work_ms": 1e3 * self._work, "iteration_ms": 1e3 * self._iteration,
+               "rate_mbps": rate / 1e6, "rate_n": 1.0 if rate > 0 else 0.0,
+               "started": 1.0 if self._t_end is not None else 0.0}
+        for b, r in enumerate(self._ready):
+            out[f"ready{b}_ms"] = 1e3 * (compute if r is None else min(r, compute))
+        return out
+
+    def agreed(self, total) -> dict:
+        """Every rank's mean of the figures (``total``: the agreement's sum, an ``Agreed``), in seconds and
+        bytes/s; ``started``: every rank knew when this step started, so its compute and ready times are real)."""
+        n = total.total("rate_n")
+        return {"compute": total.mean("compute_ms") * 1e-3, "work": total.mean("work_ms") * 1e-3,
+                "iteration": total.mean("iteration_ms") * 1e-3,
+                "rate": total.total("rate_mbps") * 1e6 / n if n > 0 else 0.0,
+                "ready": [total.mean(f"ready{b}_ms") * 1e-3 for b in range(self.nbuckets)],
+                "started": total.mean("started") >= 1.0}
+
+
 class Budget:
-    """The number of critical blocks per step, and whether stage 1 starts during backward.
+    """The number of critical blocks per step, fixed or ``"auto"``.
 
-    Fixed: ``ceil(critical * nblocks)`` per bucket, at least ``min_critical * nblocks``; stage 1 always
-    starts from the backward hooks. ``auto`` decides by measuring, then holds:
+    Fixed: ``ceil(critical * nblocks)`` per bucket, at least ``min_critical * nblocks``.
 
-    1. ``warmup`` steps fully critical with stage 1 at ``step()`` (nothing else on the network): the
-       bandwidth (bytes of stage 1 over its time);
-    2. ``probe`` steps fully critical with stage 1 from the backward hooks, which is BSP as DDP does
-       it: the iteration time, and the backward window its buckets overlap;
-    3. ``probe`` steps at the modelled share ``c = HEADROOM * backward / allreduce`` (stage 1 fits in
-       the backward window; stage 2 runs behind the next forward and backward); a share of 1 or more
-       means the allreduce hides in backward anyway: no trial, every block stays critical;
-    4. ``probe`` steps at ``c / 4`` (at least ``min_critical``): the bucket that is ready last, at the
-       end of backward, can only send its critical blocks after backward, where the step waits for
-       them; a smaller share shortens that wait (skipped when it equals ``c``);
-    5. settled: the fastest of the three by their iterations (the first step of a trial, which waits
-       for no stage 2 of its own share, is not counted), where a smaller share must win by ``MARGIN``:
-       ``auto`` defers nothing where deferring does not pay (the steps are then BSP's) and no more than
-       pays. With ``warmup=2`` and ``probe=2`` it settles at step 10.
+    ``auto`` runs BSP's code for ``warmup`` steps while ``Meter`` measures, then decides every step by
+    ``osp.stepmodel.decide`` (the model ``osp.plan`` predicts with) fed with the medians of the last ``WINDOW``
+    steps' agreed figures (compute, ready times, the link's rate, each share's own work), once the share it
+    runs has ``MEASURED`` counted steps:
 
-    Every rank must reach the same numbers, so the measurements are averaged across ranks by the
-    caller (``update`` takes them).
+    - **hysteresis**: it leaves its share only for a predicted gain above the noise: the measured steps' (twice
+      their spread over the square root of their count), and the model's own error at the share it runs (its
+      predicted step against the measured one), at least ``stepmodel.MARGIN``;
+    - **checked**: a new share runs ``VERIFY`` counted steps (a share's first step after a change is not
+      counted: it waits for no stage 2 of its own, or for the last one's flush); where its median iteration is
+      no shorter than the share it left, it goes back, and every share on that side of the old one is vetoed
+      (the model was wrong there: one trial, not one a share);
+    - **following**: when the link's rate or the compute moves by more than ``SHIFT`` while one share runs
+      (measured against that share's own figures, once its window holds only its steps: on ranks that share a
+      host's CPUs a share changes both), the measured iterations and vetoes are forgotten, and the model
+      decides from the new figures (the medians have moved within ``WINDOW`` steps).
+
+    With ``warmup=2`` the first decision comes by the fourth step (two counted BSP steps: a step's iteration
+    arrives with the next, and the first step's is not counted).
+    Settled on 1.0 the steps are BSP's own code (``needs_scores`` False) and keep measuring. Every rank
+    decides alike from the agreed figures. ``decisions`` keeps the last ``KEEP`` changes, with what the
+    model predicted for every share and what was measured.
     """
 
-    HEADROOM = 0.8  # share of the backward window stage 1 may fill
-    MARGIN = 0.03  # a smaller critical share must make iterations at least this much faster to be kept
-    MIN_SAMPLE = 0.25  # a stage 1 moving less than this share of the bytes is too small to time
-    TRIALS = ("bsp", "model", "small")
+    WINDOW = 5  # steps whose medians the model is fed
+    VERIFY = 3  # counted steps a new share runs before it is compared with the old
+    MEASURED = 2  # counted steps of the current share before the model may move it
+    SHIFT = 0.25  # a move of the rate or compute by more than this forgets the iterations and vetoes
+    KEEP = 20
+    PRIOR = 1.5  # OSP's step work over BSP's until measured (packing, scoring and the correction, which redoes
+    # the update of the deferred blocks); a share it misjudges is caught by the check
 
-    def __init__(self, critical, min_critical: float, warmup: int = 2, probe: int = 2):
-        self.critical, self.min_critical, self.warmup, self.probe = critical, min_critical, warmup, probe
+    def __init__(self, critical, min_critical: float, warmup: int = 2):
+        self.critical, self.min_critical, self.warmup = critical, min_critical, warmup
         self.steps = 0
-        self.bw: Optional[float] = None  # bytes / s, from the warmup
-        self.backward: List[float] = []  # s: the backward windows of phase 2
-        self.shares = {"bsp": 1.0}  # the share each trial ran
-        self.iterations = {k: [] for k in self.TRIALS}  # s: the counted iterations of each trial
-        self._counts_for: Optional[str] = None  # the trial the last step counts for (None: not counted)
-        self._in_phase = 0  # steps run in the current phase
-        self.model: Optional[float] = None  # the modelled share
         self.phase = "warmup" if critical == "auto" else "fixed"
         self.fraction = 1.0 if critical == "auto" else float(critical)
+        self._reset_figures()
+        self.decisions: List[dict] = []
+
+    def _reset_figures(self) -> None:
+        self._figs: List[dict] = []  # the agreed figures of the last WINDOW steps
+        self._rates: List[float] = []
+        self._work: Dict[bool, List[float]] = {True: [], False: []}  # by: deferring
+        self._iters: Dict[float, List[float]] = {}  # share -> its counted iterations (since the last shift)
+        self._vetoed: Dict[float, str] = {}
+        self._ran: Optional[tuple] = None  # (share, counted) of the step before this one
+        self._first = True  # the next step is the first at its share
+        self._ref: Optional[tuple] = None  # (rate, compute) at this share, once its window holds only its own steps
+        self._held = 0  # steps run at this share
+        self._trial: Optional[tuple] = None  # (old share, new share) while the new one is checked
 
     def count(self, nblocks: int) -> int:
-        frac = 1.0 if self.phase in ("warmup", "bsp") else self.fraction
-        if self.phase == "fixed" or frac < 1.0:
+        frac = self.fraction
+        if frac < 1.0:
             frac = max(frac, self.min_critical)
         return min(nblocks, max(math.ceil(frac * nblocks), math.ceil(self.min_critical * nblocks)))
 
     @property
-    def in_backward(self) -> bool:
-        """Whether stage 1 starts from the backward hooks (not while ``auto`` times the network)."""
-        return self.phase != "warmup"
-
-    @property
     def needs_scores(self) -> bool:
-        """Whether block scores can still matter (not once every block stays critical for good)."""
-        return not (self.phase in ("fixed", "settled") and self.fraction >= 1.0)
+        """Whether block scores can matter (not while every block is critical: BSP's own code runs then)."""
+        return self.fraction < 1.0
 
-    def wants_sample(self) -> bool:
-        """Whether this step's stage 1 (run at ``step()``) is a bandwidth sample: in warmup."""
-        return self.phase == "warmup"
+    @staticmethod
+    def _med(xs):
+        return statistics.median(xs) if xs else 0.0
 
-    def stage1_sample(self, nbytes: int, seconds: float, total_bytes: int) -> float:
-        """The bandwidth sample of a stage 1 that ``wants_sample()`` (0: none)."""
-        if seconds > 0 and nbytes >= self.MIN_SAMPLE * total_bytes:
-            return nbytes / seconds
-        return 0.0
-
-    def update(self, bytes_total: float, bandwidth: float, backward: float, iteration: float) -> None:
-        """Feed one step's measurements (already identical on every rank): a bandwidth sample (0: none),
-        this step's backward window and the previous iteration's time."""
+    def update(self, fig: dict, nbytes: Sequence[float]) -> None:
+        """Feed one step's agreed figures (``Meter.agreed``: identical on every rank); ``nbytes``: each bucket's
+        gradient bytes."""
         self.steps += 1
-        if self.critical != "auto" or self.phase == "settled":
+        if self.critical != "auto":
             return
-        if bandwidth > 0:  # a warmup step's, a step late: the last one's is kept (the first may
-            self.bw = bandwidth  # include connection setup)
-        # the iteration of the step before arrives with this one: count it for the trial it ran in
-        if self._counts_for is not None and iteration > 0:
-            self.iterations[self._counts_for].append(iteration)
-        # this step counts for its trial, unless it is a deferring trial's first (it waited for no
-        # stage 2 of its own share) or the step after the trials
-        self._in_phase += 1
-        counted = self.phase in self.TRIALS and not (self.phase != "bsp" and self._in_phase == 1)
-        self._counts_for = self.phase if counted else None
-        done = self._in_phase
+        if self._ran is not None:  # the last step's iteration and work arrive with this one
+            share, counted = self._ran
+            if counted and fig["iteration"] > 0:
+                self._iters.setdefault(share, []).append(fig["iteration"])
+                self._iters[share] = self._iters[share][-2 * self.WINDOW:]
+            if fig["work"] > 0:
+                w = self._work[share < 1.0]
+                w.append(fig["work"])
+                del w[:-self.WINDOW]
+        self._ran = (self.fraction, not self._first)
+        self._first = False
+        self._held += 1
+        if fig.get("started", True):
+            self._figs = (self._figs + [fig])[-self.WINDOW:]
+        if fig["rate"] > 0:
+            self._rates = (self._rates + [fig["rate"]])[-self.WINDOW:]
         if self.phase == "warmup":
-            if self.steps >= self.warmup:
-                self._enter("bsp")
-            return
-        if self.phase == "bsp":
-            if backward > 0:
-                self.backward.append(backward)
-            if done >= self.probe:
-                self._model(bytes_total)
-            return
-        if self.phase == "model" and done >= self.probe:
-            small = max(self.min_critical, self.model / 4)
-            if small < self.model:
-                self.shares["small"] = self.fraction = small
-                self._enter("small")
+            if self.steps < self.warmup or not self._rates:
                 return
-            self._enter("deciding")
+            self.phase = "auto"
+        st = self.model(nbytes)
+        if st is None:
             return
-        if self.phase == "small" and done >= self.probe:
-            self._enter("deciding")
+        if self._trial is None and self._held > self.WINDOW:  # the figures are this share's own: a move now is
+            self._follow(st)  # the link's or the compute's, not this share's (a share changes both on a shared host)
+        if self._trial is not None:
+            self._check_trial(st)
             return
-        if self.phase == "deciding":  # the last trial step's iteration just arrived
-            self._settle()
-
-    def _model(self, bytes_total: float) -> None:
-        allreduce = bytes_total / self.bw if self.bw else 0.0
-        window = statistics.median(self.backward) if self.backward else 0.0
-        share = self.HEADROOM * window / allreduce if allreduce > 0 else 1.0
-        self.model = min(1.0, max(self.min_critical, share))
-        if self.model >= 1.0:
-            self.fraction, self.phase = 1.0, "settled"
-        else:
-            self.shares["model"] = self.fraction = self.model
-            self._enter("model")
-
-    def _enter(self, phase: str) -> None:
-        self.phase, self._in_phase = phase, 0
-
-    def _settle(self) -> None:
-        """The largest share whose iterations no smaller share beats by ``MARGIN``."""
-        med = {k: statistics.median(v) for k, v in self.iterations.items() if v and k in self.shares}
-        if "bsp" not in med:  # no fully critical iteration was counted (a resume loses the last step's
-            self.fraction = 1.0  # timing, and the probe is short): measure it again before comparing
-            self._enter("bsp")
+        cur = self._iters.get(self.fraction, [])
+        if len(cur) < self.MEASURED:  # the share it would leave is measured first: the check compares with it
             return
-        best = "bsp"
-        for k in ("model", "small"):  # ever smaller shares
-            if k in med and med[k] < (1.0 - self.MARGIN) * med[best]:
-                best = k
-        self.fraction, self.phase = self.shares[best], "settled"
+        # the margin: the noise of the measured steps, and how far the model is off at the share it runs
+        noise = self.noise(cur)
+        error = abs(stepmodel.predict(st, self.fraction, self.min_critical) / statistics.median(cur) - 1)
+        margin = max(stepmodel.MARGIN, noise, error)
+        choice, pred = stepmodel.decide(st, self.fraction, self.min_critical, margin, vetoed=tuple(self._vetoed))
+        if choice != self.fraction:
+            self._change(choice, st, pred, f"predicted {1e3 * pred[choice]:.1f} ms a step against "
+                         f"{1e3 * pred[self.fraction]:.1f} ms at {self.fraction:g} (measured "
+                         f"{1e3 * statistics.median(cur):.1f}), a gain above the margin {margin:.1%} (noise "
+                         f"{noise:.1%}, model error {error:.1%})")
+            self._trial = (self._ran[0], choice)
+
+    def noise(self, iters: Sequence[float]) -> float:
+        """The relative noise of the median of ``iters``: 2 x 1.4826 x MAD / median / sqrt(n) (0 under 3)."""
+        if len(iters) < 3:
+            return 0.0
+        m = statistics.median(iters)
+        mad = statistics.median(abs(x - m) for x in iters)
+        return 2 * 1.4826 * mad / m / math.sqrt(len(iters)) if m > 0 else 0.0
+
+    def model(self, nbytes: Sequence[float]) -> Optional[stepmodel.Step]:
+        """The step as the last ``WINDOW`` steps measured it (None before a rate is known)."""
+        rate = self._med(self._rates)
+        if rate <= 0 or not self._figs:
+            return None
+        nb = len(nbytes)
+        ready = [self._med([f["ready"][b] for f in self._figs]) for b in range(nb)]
+        bsp = self._med(self._work[False])
+        osp = self._med(self._work[True]) if self._work[True] else self.PRIOR * bsp  # until measured
+        return stepmodel.Step(compute=self._med([f["compute"] for f in self._figs]), ready=ready,
+                              nbytes=list(nbytes), link=lambda b: b / rate, work_bsp=bsp, work_osp=osp,
+                              notes={"rate": rate})
+
+    def _follow(self, st: stepmodel.Step) -> None:
+        """Forget what was measured under another link or compute (moved by more than ``SHIFT``)."""
+        now = (st.notes["rate"], st.compute)
+        if self._ref is None:
+            self._ref = now
+            return
+        moved = max(abs(math.log(max(a, 1e-12) / max(b, 1e-12))) for a, b in zip(now, self._ref))
+        if moved > math.log1p(self.SHIFT):
+            forgot = bool(self._vetoed or self._trial)
+            self._iters, self._vetoed, self._trial, self._ref = {}, {}, None, now
+            if forgot:
+                self._log("shift", self.fraction, st, None, f"rate {now[0] / 1e6:.0f} MB/s, compute "
+                          f"{1e3 * now[1]:.1f} ms: a trial or veto was measured under another link or compute")
+
+    def _check_trial(self, st: stepmodel.Step) -> None:
+        old, new = self._trial
+        mine, theirs = self._iters.get(new, []), self._iters.get(old, [])
+        if len(mine) < self.VERIFY:
+            return
+        self._trial = None
+        if not theirs:  # the share it left was never measured (the first decision came first): nothing to
+            return  # compare with; the model's choice stands
+        a, b = statistics.median(mine[-self.VERIFY:]), statistics.median(theirs[-self.VERIFY:])
+        if a >= b:  # no faster than the share it left: back, and the model is not trusted there nor beyond
+            why = f"measured {1e3 * a:.1f} ms a step against {1e3 * b:.1f} ms at {old:g}"
+            for s in stepmodel.shares(self.min_critical):  # every share on that side of the old one
+                if s < old if new < old else s > old:
+                    self._vetoed[s] = why
+            self._change(old, st, None, f"back: {new:g} {why}")
+
+    def _change(self, share: float, st, pred, why: str) -> None:
+        self._log("change", share, st, pred, why)
+        self.fraction, self._first, self._ref, self._held = share, True, None, 0
+
+    def _log(self, kind, share, st, pred, why) -> None:
+        iters = {s: self._med(v) for s, v in self._iters.items()}
+        self.decisions.append({"step": self.steps, "kind": kind, "from": self.fraction, "to": share, "why": why,
+                               "rate_Bps": st.notes["rate"], "compute_s": st.compute, "work_bsp_s": st.work_bsp,
+                               "work_osp_s": st.work_osp,
+                               "predicted_s": None if pred is None else {f"{k:g}": v for k, v in pred.items()},
+                               "measured_s": {f"{k:g}": v for k, v in iters.items()}})
+        del self.decisions[:-self.KEEP]
+
+    def stats(self) -> dict:
+        """The state, and what the decisions rest on now (``stats()["budget"]``)."""
+        return {**self.state_dict(), "measured_s": {f"{k:g}": self._med(v) for k, v in self._iters.items()},
+                "vetoed": {f"{k:g}": v for k, v in self._vetoed.items()}, "rate_Bps": self._med(self._rates)}
 
     def state_dict(self):
-        return {"steps": self.steps, "bw": self.bw, "fraction": self.fraction, "phase": self.phase,
-                "model": self.model, "backward": list(self.backward), "shares": dict(self.shares),
-                "iterations": {k: list(v) for k, v in self.iterations.items()},
-                "counts_for": self._counts_for, "in_phase": self._in_phase}
+        return {"version": 2, "steps": self.steps, "fraction": self.fraction, "phase": self.phase,
+                "decisions": [dict(d) for d in self.decisions]}
 
     def load_state_dict(self, d):
-        if "shares" not in d:  # saved by an osp before these phases: measure again
+        if d.get("version") != 2:  # saved by an osp whose auto decided otherwise: measure again
             return
-        self.steps, self.bw, self.fraction, self.phase = d["steps"], d["bw"], d["fraction"], d["phase"]
-        self.model, self.backward, self.shares = d["model"], list(d["backward"]), dict(d["shares"])
-        self.iterations = {k: list(v) for k, v in d["iterations"].items()}
-        self._counts_for, self._in_phase = d["counts_for"], d["in_phase"]
+        self.steps, self.fraction, self.phase = d["steps"], d["fraction"], d["phase"]
+        self.decisions = [dict(x) for x in d.get("decisions", [])]
+        # the measurements are this run's: a resumed run measures again, from the share it had
+        self._reset_figures()
+        self._first = True
 
 
 @dataclass

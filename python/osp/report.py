@@ -11,7 +11,7 @@ import statistics
 import sys
 from typing import List, Optional
 
-SETTLE_STEPS = 10  # OSP auto measures and tries shares in its first 10 steps (docs/design.md, The budget)
+SETTLE_STEPS = 10  # steps left out of a steady rate: warm-up, and OSP auto's first decision and its check
 NOTHING_DEFERRED = 0.95  # a critical share at least this: the run deferred almost nothing
 
 
@@ -67,7 +67,7 @@ def steady_rate(r: dict, skip: int = SETTLE_STEPS):
 
 
 def critical_share(r: dict) -> Optional[float]:
-    """The share of blocks the run kept critical: what OSP auto settled on, else the mean over its steps; None
+    """The share of blocks the run kept critical: what OSP auto ran at the end, else the mean over its steps; None
     for a run that is not OSP's."""
     c = r["config"]
     st = r.get("osp_stats") or {}
@@ -75,7 +75,7 @@ def critical_share(r: dict) -> Optional[float]:
             or "critical_fraction" not in st.get("mean", {}):
         return None
     b = st.get("budget")
-    if b and b.get("phase") == "settled":
+    if b and b.get("phase") == "auto":  # what it runs now (stats()["budget"]["decisions"]: when it changed)
         return b["fraction"]
     return st["mean"]["critical_fraction"]
 

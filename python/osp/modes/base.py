@@ -192,6 +192,10 @@ class Mode(abc.ABC):
     #: gradient clipping and GradScaler work on it as usual; otherwise it holds this rank's own gradient
     #: and the mode unscales and clips inside ``step()``
     grad_is_average = False
+    #: the mode may leave ``grad_is_average`` in a later step by itself (OSP ``auto`` on BSP's code): what needs
+    #: ``.grad`` to stay the average between backward and ``step()`` (Horovod's ``synchronize()``) is refused
+    #: from the start, not from whenever the mode decides
+    may_defer = False
     #: ``step(closure)`` hands the mode ``StepInput.closure`` (HSP); other modes refuse a closure
     accepts_closure = False
     #: parameters the step's last backward pass will not reach are ready when it begins

@@ -33,10 +33,15 @@ class BSPMode(Mode):
     grad_is_average = True
     ready_unreached_early = True
 
-    def __init__(self, options: BSP, ctx: Context):
+    def __init__(self, options: BSP, ctx: Context, meter=None):
+        """``meter``: an ``osp.policy.Meter`` (OSP's ``auto`` at every block critical runs these steps and keeps
+        measuring them): told of the buckets and waits, its figures ride on the step's agreement, and
+        ``agreed`` holds the sum."""
         super().__init__(options, ctx)
         self.buckets = Buckets(ctx.groups, options.bucket_mb, ctx.comm, f"{ctx.prefix}.bsp", wire=ctx.wire)
-        self._present = Agreement(ctx, "bsp.present")
+        self.meter, self.agreed = meter, None
+        self.buckets.meter = meter
+        self._present = Agreement(ctx, "bsp.present", fields=meter.fields if meter is not None else ())
         self._synced = None  # seconds the averaging took, once it finished for the coming step
         self._absent = [set() for _ in ctx.groups]  # per flat group: its parameters without a gradient anywhere
 
@@ -69,13 +74,16 @@ class BSPMode(Mode):
         t0 = time.perf_counter()
         ctx = self.ctx
         handles = list(self.buckets.launch(force=True))
-        handles.append(self._present.post())
+        handles.append(self._present.post(**(self.meter.figures() if self.meter is not None else {})))
         self.buckets.wait(handles, ctx.timeout, "gradient allreduce")
         ctx.scale_grads(ctx.postscale)  # gradient_predivide_factor: the sum was of gradients / factor
-        self._absent = self._present.result("gradient allreduce").absent()
+        self.agreed = self._present.result("gradient allreduce")
+        self._absent = self.agreed.absent()
         for fg, a in zip(ctx.groups, self._absent):
             fg.set_grads(a)
         self._synced = time.perf_counter() - t0
+        if self.meter is not None:
+            self.meter.waited(self._synced)
 
     def step(self, inp: StepInput):
         rec = {"critical_fraction": 1.0, "bytes_stage1": self.ctx.nbytes, "bytes_stage2": 0,

@@ -261,7 +261,7 @@ class HSPMode(Mode):
         ctx, total = self.ctx, sum(counts)
         factor = self.size * inp.passes / total if total else 1.0
         inner_inp = dataclasses.replace(inp, closure=None)  # the extras ran: the composed mode takes no closure
-        # OSP("auto") settled on BSP: the composed mode's average is BSP's, which a GradScaler unscales
+        # OSP("auto") on BSP's code: the composed mode's average is BSP's, which a GradScaler unscales
         # itself where .grad is the average; here it is not, so the scale goes here, with the factor
         unscale = inp.unscale if self.inner.grad_is_average else None
         if factor != 1.0 or unscale is not None:

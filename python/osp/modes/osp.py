@@ -1,6 +1,7 @@
 """OSP: two-stage synchronization with exact local-gradient correction (docs/design.md, "OSP")."""
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
@@ -14,8 +15,8 @@ from ..comm import Handle
 from ..compression import Compressor, fits, resolve, wire_dtype
 from ..correction import Snapshot, corrector_for, hyper, unhooked_step
 from ..layout import EditProbe, Workspace
-from ..policy import Plan, Split
-from ..timing import Interval, span, traced
+from ..policy import Meter, Plan, Split
+from ..timing import span, traced
 from .base import Context, Mode, Options, StepInput, check_positive, check_share, edited_error, warn_grad_edits
 from .bsp import BSP, BSPMode
 
@@ -29,19 +30,19 @@ class OSP(Options):
     exactly when the average arrives (LGP).
 
     Args:
-        critical: share of blocks averaged in stage 1, in [0, 1], or ``"auto"``: measure the network
-            and the backward window, try the share whose stage 1 fits in backward, and keep it only if
-            its steps are measurably faster than fully critical ones (otherwise every block stays
-            critical: BSP with stage 1 during backward); settles by step ``warmup + 8`` and holds.
-            ``"auto"`` is the default (the safe choice the docs advise: on a fast link it settles on
-            BSP). A fixed share, e.g. ``0.25``, averages that share first and defers the rest whatever the link; ``1.0``
-            is BSP.
+        critical: share of blocks averaged in stage 1, in [0, 1], or ``"auto"`` (the default, the choice the
+            docs advise): run BSP's code while measuring the step (when each bucket is ready, the link's achieved
+            rate, the step's own work), then every step choose the share of ``osp.stepmodel.GRID`` whose step the
+            model predicts shortest (the model ``osp.plan`` predicts with), leaving the current share only for a
+            gain above the measured noise, checking a new share against the old by measured steps, and deciding
+            again when the link or the compute changes. On a fast link it stays on BSP's code. A fixed share,
+            e.g. ``0.25``, averages that share first and defers the rest whatever the link; ``1.0`` is BSP.
         min_critical: floor on the critical share (the most important blocks always go first);
             default 0.05 with ``"auto"``, none with a fixed share.
         metric: block importance, ``"l2"``, ``"l1"``, ``"max"`` or ``"relative"`` (|g| / |w|).
         block_size: elements per block.
-        warmup: with ``"auto"``, steps run fully critical first, stage 1 at ``step()``, to measure
-            the network.
+        warmup: with ``"auto"``, steps of BSP's code before the first decision (the figures of at least one
+            step with a known start are needed; with 2 the first decision comes by step 3).
         stage2_compression: what the deferred blocks travel as (``osp.Compression.fp16`` / ``bf16`` / ``none``,
             or Horovod's); None: as the optimizer's ``compression=``. The critical blocks always keep the
             optimizer's: importance-aware precision on the wire.
@@ -93,7 +94,6 @@ class _Stage1:
     scaled: bool  # buckets packed in backward hold the gradients scaled (GradScaler): unscale them
     handles: List[Handle] = field(default_factory=list)
     t0: float = 0.0  # when stage 1 became the step's wait (its launch at step(), less the corrections)
-    net: Optional[Interval] = None  # all of stage 1 started at step(): its time measures the network
 
 
 @dataclass
@@ -134,8 +134,12 @@ class OSPMode(Mode):
         # the side channel: what every rank must agree on before the step's update. On stage 2's communicator,
         # which is idle when it starts (the last stage 2 landed): on an in-order engine it would otherwise
         # queue behind this step's stage-1 buckets, and stage 2 could not start before all of stage 1 ended
-        self._side = Agreement(ctx, "side", fields=("nonfinite", "bandwidth_mbps", "edited", "stale", "backward_ms",
-                                                    "iteration_ms"), mask_blocks=self.nblocks, comm=self.comm2)
+        self.buckets = Buckets(ctx.groups, options.bucket_mb, ctx.comm, f"{ctx.prefix}.s1", start=self._start)
+        # what auto decides by (and stats() reports): when each bucket is issued, the link's rate, the step's work
+        self.meter = self.buckets.meter = Meter(len(self.buckets.buckets))
+        self._bucket_bytes = [(hi - lo) * fg.grad.element_size() for fg, lo, hi, _ in self.buckets.buckets]
+        self._side = Agreement(ctx, "side", fields=("nonfinite", "edited", "stale") + self.meter.fields,
+                               mask_blocks=self.nblocks, comm=self.comm2)
         self._ws: Dict[int, Workspace] = {id(fg): Workspace(fg) for fg in ctx.groups}
         self._none = [torch.zeros(fg.nblocks, dtype=torch.bool, device=dev) for fg in ctx.groups]
         self._none_pos = [ops.mask_positions(m) for m in self._none]
@@ -147,23 +151,16 @@ class OSPMode(Mode):
         self._steps = 0
         # the buckets, as block ranges of their flat group (the blocks that start in the bucket's
         # elements: a block reaching into the next bucket up is ready, as that bucket started earlier)
-        self.buckets = Buckets(ctx.groups, options.bucket_mb, ctx.comm, f"{ctx.prefix}.s1", start=self._start)
         self.split = Split(options, ctx.groups, self.buckets.buckets, ctx.comm.size)
         self._cur = 0  # the stage-2 buffer this step's backward packs into
         self._packed: Dict[int, int] = {}  # bucket -> its gradients' versions when packed (their sum)
-        # the backward windows of the last steps (from the first gradient ready to the last), in device time
-        self._bwd: List[Interval] = []
-        self._backward_s = 0.0
-        self._t_ends: List[float] = []  # when the last two steps returned
         self._held = False  # a sparse gradient came: nothing starts in backward until step() raises
-        self._bw_sample = 0.0  # this rank's bandwidth sample of the last step, for the next side channel
-        self._net: Optional[tuple] = None  # (interval, bytes) of the last step's timed stage 1, until known
         # per bucket, its parameters' gradient aliases: to tell whether one changed after packing
         self._views = [[fg.grad_views[fg.index[id(p)]] for p in ps] for fg, _, _, ps in self.buckets.buckets]
         # per bucket, its parameters with an element in its blocks (a block may reach into the next bucket's)
         self._bucket_params = [[i for i, (s0, s1) in enumerate(ctx.groups[gi].block_span) if s0 < b1 and s1 >= b0]
                                for gi, b0, b1 in self.split.geo]
-        # every block critical for good (critical=1.0, or "auto" settled there): BSP's own machinery
+        # every block critical (critical=1.0, or "auto" at 1.0 for now): BSP's own machinery
         self._bsp: Optional[BSPMode] = None
         self._follow_budget()
 
@@ -179,6 +176,10 @@ class OSPMode(Mode):
     def grad_is_average(self):
         return self._bsp is not None
 
+    @property
+    def may_defer(self):
+        return self.split.budget.critical == "auto"  # on BSP's code now, deferring from any later step
+
     def _follow_budget(self) -> None:
         """Hand the steps to BSP once no block can be deferred any more (nothing is scored, split,
         packed or corrected then): in-backward BSP, as DDP does it, with ``.grad`` the average after
@@ -186,7 +187,7 @@ class OSPMode(Mode):
         if self.split.budget.needs_scores:
             self._bsp = None
         elif self._bsp is None:
-            self._bsp = BSPMode(BSP(self.options.bucket_mb), self.ctx)
+            self._bsp = BSPMode(BSP(self.options.bucket_mb), self.ctx, meter=self.meter)
 
     def synchronize(self) -> None:  # while BSP has the steps (grad_is_average)
         self._bsp.synchronize()
@@ -230,29 +231,27 @@ class OSPMode(Mode):
         return False
 
     def on_ready(self, p):
-        if self._bsp is not None:
-            return self._bsp.on_ready(p)
-        if not self._bwd or self._bwd[-1].stopped:
-            self._bwd = self._bwd[-1:] + [Interval(self.ctx.device).start()]
         if p.grad is not None and p.grad.layout != torch.strided:
             self._held = True  # step() raises, naming the parameter; nothing more starts in backward
-        if self.split.budget.in_backward and not self._held:
-            self.buckets.on_ready(p)
+        if self._held:
+            return
+        if self._bsp is not None:
+            return self._bsp.on_ready(p)
+        self.buckets.on_ready(p)
 
     def end_backward(self):
+        self.meter.backward_end()
+        if self._held:
+            return
         if self._bsp is not None:
             return self._bsp.end_backward()
-        if self._bwd and not self._bwd[-1].stopped:
-            self._bwd[-1].stop()
-        if self.split.budget.in_backward and not self._held:  # the rest: a missing gradient counts as zeros
-            self.buckets.launch(force=True)
+        self.buckets.launch(force=True)  # the rest: a missing gradient counts as zeros
 
     def restart(self):
+        self.meter.restart()
         if self._bsp is not None:
             return self._bsp.restart()
         self._drop_stage1()
-        if self._bwd and not self._bwd[-1].stopped:
-            self._bwd.pop()  # this step's backward starts again
         self._held = False
 
     def _drop_stage1(self) -> None:
@@ -263,6 +262,7 @@ class OSPMode(Mode):
 
     # -- the step -------------------------------------------------------------------------------
     def step(self, inp: StepInput):
+        self.meter.entry()
         if self._bsp is not None:
             return self._bsp_step(inp)
         warn_grad_edits(self, inp.edited)
@@ -276,7 +276,7 @@ class OSPMode(Mode):
         # (after the corrections, so the ranks stay equal), as the correction overwrites such a change
         edited = self._probe.edited(self._deferred_masks())
         wait_s = self._wait_deferred()  # the last stage 2 landed before the side channel starts
-        self._launch_stage1(s1, timed=not self.split.budget.in_backward)
+        self._launch_stage1(s1)
         if s1.scaled:  # packed in backward from the gradients as backward left them
             ctx.scale_grads(inp.unscale, deferreds)
         # 2. the side channel, while the last stage 2's exact update runs
@@ -284,7 +284,7 @@ class OSPMode(Mode):
         if side.any("stale"):  # a gradient changed after backward packed it (on some rank): pack again
             self._drop_stage1()
             s1.scaled = s1.stale = False
-            self._launch_stage1(s1, timed=True)
+            self._launch_stage1(s1)
             side = self._agree(s1, plan, edited, deferreds, correct=False)
         self._steps += 1
         if side.any("edited"):
@@ -305,6 +305,8 @@ class OSPMode(Mode):
         with span("osp.stage2.launch"):
             h2 = {gi: self.comm2.allreduce_sum_async_(deferreds[gi], f"{ctx.prefix}.s2.{gi}", wire=self._wire2(gi))
                   for gi in launch2 if deferreds[gi].numel()}
+        for h in h2.values():
+            self.meter.track(h)
         rec = self._finish_stage1(s1, crits, wait_s)
         rec["bytes_stage2"] = ctx.nbytes - rec["bytes_stage1"] if h2 else 0
         # each rank's own gradient was finite, but the sum of the critical blocks may not be (float16):
@@ -317,8 +319,7 @@ class OSPMode(Mode):
             rec.update(critical_fraction=0.0, bytes_stage2=0, skipped=True, overflow=True)
             self._end_step()
             return rec
-        self.split.budget.update(ctx.nbytes, side.mean("bandwidth_mbps") * 1e6, side.mean("backward_ms") * 1e-3,
-                           side.mean("iteration_ms") * 1e-3)
+        self._decide(side)
         scoring = self.split.budget.needs_scores or self.split.scores is not None and deferring
         ctx.scale_grads(inp.provisional)  # this rank's own gradient, where it moves the deferred blocks
         for gi, (fg, crit) in enumerate(zip(ctx.groups, crits)):
@@ -357,13 +358,18 @@ class OSPMode(Mode):
         self.ctx.scale_grads(unscale)
 
     @traced("osp.stage1.launch")
-    def _launch_stage1(self, s1: "_Stage1", timed: bool) -> None:
-        """Pack and start the buckets not started in backward (all of them while "auto" times the network,
-        or when packed again): from the gradients as they are now, unscaled. ``timed``: all of stage 1
-        starts here, so its time measures the network."""
+    def _launch_stage1(self, s1: "_Stage1") -> None:
+        """Pack and start the buckets not started in backward (all of them when no backward pass was heard of,
+        or when packed again): from the gradients as they are now, unscaled."""
         s1.t0 = time.perf_counter()
-        s1.net = Interval(self.ctx.device).start() if timed else None
         s1.handles = list(self.buckets.launch(force=True))
+
+    def _decide(self, agreed) -> None:
+        """Feed the budget the step's agreed figures (``auto`` decides the coming steps' share from them)."""
+        fig = self.meter.agreed(agreed)
+        if self.ctx.comm.size == 1 and self.meter.sample_rate is None:  # nothing travels: nothing to defer
+            fig["rate"] = math.inf
+        self.split.budget.update(fig, self._bucket_bytes)
 
     @traced("osp.side_channel")
     def _wire2(self, gi: int) -> Optional[torch.dtype]:
@@ -377,50 +383,31 @@ class OSPMode(Mode):
         beyond its wire's range (float16) counts as non-finite: the step is skipped on every rank before
         stage 2 starts, which could not be undone once its critical blocks are applied."""
         ctx = self.ctx
-        iteration = self._t_ends[-1] - self._t_ends[-2] if len(self._t_ends) == 2 else 0.0
-        self._measured()
         nonfinite = ctx.nonfinite()
         for gi, d in enumerate(deferreds):
             wire = self._wire2(gi)
             if wire is not None:
                 nonfinite = nonfinite + (~fits(d, wire)).to(nonfinite.dtype)
-        self._side.post(plan.mask, nonfinite=nonfinite, bandwidth_mbps=self._bw_sample / 1e6,
-                        edited=edited, stale=s1.stale, backward_ms=self._backward_s * 1e3,
-                        iteration_ms=iteration * 1e3)
+        self._side.post(plan.mask, nonfinite=nonfinite, edited=edited, stale=s1.stale, **self.meter.figures())
         if correct:
             t0 = time.perf_counter()
             self._correct_deferred()
             ctx.on_synced()
             s1.t0 += time.perf_counter() - t0  # stage1_s: the step's time on stage 1, not on corrections
-        return self._side.result("stage-1 allreduce", step=self._steps + 1)
-
-    def _measured(self) -> None:
-        """This rank's measurements for the side channel, from the device's time where it is known (a GPU
-        queues the work: the host's clock would time the queueing): the last backward window and the
-        bandwidth sample of the last timed stage 1."""
-        for iv in reversed(self._bwd):
-            sec = iv.seconds()
-            if sec is not None:
-                self._backward_s = sec
-                break
-        if self._net is not None:
-            sec = self._net[0].seconds()
-            if sec is not None:
-                self._bw_sample = self.split.budget.stage1_sample(self._net[1], sec, self.ctx.nbytes)
-                self._net = None
+        t0 = time.perf_counter()
+        out = self._side.result("stage-1 allreduce", step=self._steps + 1)
+        self.meter.waited(time.perf_counter() - t0)
+        return out
 
     @traced("osp.stage1.wait")
     def _finish_stage1(self, s1: "_Stage1", crits: List[torch.Tensor], wait_s: float) -> dict:
-        """Wait for stage 1's averages; the step's record so far, and this rank's bandwidth sample."""
+        """Wait for stage 1's averages; the step's record so far."""
         ctx = self.ctx
+        t1 = time.perf_counter()
         self.buckets.wait(s1.handles, ctx.timeout, "stage-1 allreduce")
         t2 = time.perf_counter()
+        self.meter.waited(t2 - t1)
         b1 = sum(c.numel() * c.element_size() for c in crits)
-        # a bandwidth sample (in warmup): read once the device got past the stage-1 wait (on a GPU, by the
-        # next side channel: a read of this step comes after it)
-        self._bw_sample = 0.0
-        self._net = (s1.net.stop(), b1) if s1.net is not None and self.split.budget.wants_sample() else None
-        self._measured()  # on a CPU known at once
         self.buckets.reset()
         self._packed = {}
         return {"stage2_wait_s": wait_s, "stage1_s": t2 - s1.t0, "bytes_stage1": b1,
@@ -460,17 +447,29 @@ class OSPMode(Mode):
 
     def _bsp_step(self, inp: StepInput) -> dict:
         """A step handed to BSP; the last stage 2 (from before the handover) is finished first."""
+        if self._held:  # a sparse gradient: what started in backward is waited for, then the gather raises
+            self._held = False
+            self._bsp.restart()
+            for fg in self.ctx.groups:
+                fg.gather_grads()
         # calls on_synced where OSP's own steps do: replicas equal, before the update
         wait_s = self._flush()
+        self.meter.waited(wait_s)
         rec = self._bsp.step(inp)
         rec["stage2_wait_s"] = wait_s
+        if self._bsp.agreed is not None and not rec.get("skipped"):
+            self._decide(self._bsp.agreed)
+            if self.split.budget.needs_scores:  # auto leaves BSP: the next split is chosen from this average,
+                self.corrector.adopt(self.ctx.groups)  # and corrected in the state BSP's steps left (flat views)
+                for gi, fg in enumerate(self.ctx.groups):
+                    self.split.score(fg.grad, fg, ~self._none[gi], self.split.group_lo[gi])
         self._steps += 1
         self._end_step()
         return rec
 
     def _end_step(self) -> None:
         self.split.forget_plan()  # the next step's, from the scores as they are now (made on first use)
-        self._t_ends = (self._t_ends + [time.perf_counter()])[-2:]
+        self.meter.end()
         self._follow_budget()
 
     def _deferred_masks(self) -> List[Optional[torch.Tensor]]:
@@ -543,7 +542,7 @@ class OSPMode(Mode):
         return wait
 
     def stats(self):
-        return {"budget": self.split.budget.state_dict()}  # what the budget measured and tried
+        return {"budget": self.split.budget.stats()}  # what the budget measured and decided
 
     # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self):

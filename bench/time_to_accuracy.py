@@ -1,12 +1,13 @@
 """Time to accuracy where the network matters: a ~4M-parameter digits model on 2 ranks behind an
-emulated 1 Gbit/s link, BSP against DDP, Horovod's optimizer and OSP ``auto``, several seeds.
+emulated 1 Gbit/s link, BSP against DDP, FSDP2, Horovod's optimizer and OSP ``auto``, several seeds.
 
 Every run is ``python -m osp.train`` on 2 ranks: by default ``--model mlp --width 32`` (DigitsMLP,
 64-2048-2048-10, 4.35M parameters, 17 MB of fp32 gradient a step) at batch 256 per rank, evaluated
 every 5 epochs; ``--model cnn`` runs DigitsCNN widened (``--width 120`` makes fc1 512->7680, 4.02M
 parameters, 16 MB) at batch 64, evaluated every epoch (DEFAULTS). Each rank runs in its own network namespace with its
-link shaped by tc (``bench.netem.netem.NetEm``, a fresh one per run). ``bsp``, ``osp-auto`` and
-``ddp`` run on torch.distributed (Gloo, env://), ``hvd`` on Horovod (Gloo controller). All
+link shaped by tc (``bench.netem.netem.NetEm``, a fresh one per run). ``bsp``, ``osp-auto``, ``ddp`` and
+``fsdp`` (osp.train ``--sync fsdp``: FSDP2's fully_shard per layer) run on torch.distributed (Gloo, env://),
+``hvd`` on Horovod (Gloo controller). All
 contenders get the same epochs, batch per rank, lr and seed; the seeds loop outside the contenders,
 so a drift of the (shared) machine's load touches every contender alike.
 
@@ -42,6 +43,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONTENDERS = {
     "bsp": (["--sync", "bsp"], "torch"),
     "ddp": (["--sync", "ddp"], "torch"),
+    "fsdp": (["--sync", "fsdp"], "torch"),
     "hvd": (["--sync", "hvd"], "horovod"),
     "osp-auto": (["--sync", "osp", "--critical", "auto"], "torch"),
     # HSP alone (with BSP) and composed with OSP(auto) and DSync(2): for --straggler
@@ -49,13 +51,15 @@ CONTENDERS = {
     "hsp-osp-auto": (["--sync", "hsp", "--hsp-sync", "osp", "--critical", "auto"], "torch"),
     "hsp-dsync-2": (["--sync", "hsp", "--hsp-sync", "dsync", "--delay", "2"], "torch"),
 }
-COLORS = {"bsp": "tab:blue", "ddp": "tab:gray", "hvd": "tab:orange", "osp-auto": "tab:green", "hsp": "tab:purple",
-          "hsp-osp-auto": "tab:red", "hsp-dsync-2": "tab:brown"}
+COLORS = {"bsp": "tab:blue", "ddp": "tab:gray", "fsdp": "tab:olive", "hvd": "tab:orange", "osp-auto": "tab:green",
+          "hsp": "tab:purple", "hsp-osp-auto": "tab:red", "hsp-dsync-2": "tab:brown"}
 # a contender may carry "+fp16" / "+bf16" (osp.train --compression: osp's compression=, Horovod's
-# Compression.fp16, DDP's compress hooks) or "+powersgd" (DDP's PowerSGD hook: rank 4, error feedback)
+# Compression.fp16, DDP's compress hooks, FSDP2's reduce_dtype) or "+powersgd" (DDP's PowerSGD hook: rank 4,
+# error feedback)
 COMPRESSIONS = ("fp16", "bf16", "powersgd")
 LINES = {"": "-", "fp16": "--", "bf16": "-.", "powersgd": ":"}  # the plot's line per compression
-PRESETS = {"compression": ["bsp", "bsp+fp16", "ddp+fp16", "ddp+powersgd", "hvd+fp16", "osp-auto", "osp-auto+fp16"],
+PRESETS = {"compression": ["bsp", "bsp+fp16", "ddp+fp16", "ddp+powersgd", "fsdp+fp16", "hvd+fp16", "osp-auto",
+                           "osp-auto+fp16"],
            "stragglers": ["bsp", "ddp", "osp-auto", "hsp", "hsp-osp-auto"]}
 TARGET_RULE = "mean over seeds of BSP's final test accuracy (last epoch)"
 # per model: where compute and the allreduce are within 2x of each other at 1 Gbit/s on 2 ranks (the MLP:
@@ -79,6 +83,8 @@ def split_contender(contender: str):
     if name not in CONTENDERS or comp and comp not in COMPRESSIONS:
         raise ValueError(f"unknown contender {contender!r}: one of {','.join(CONTENDERS)}, each optionally "
                          f"+{'/+'.join(COMPRESSIONS)}")
+    if comp == "powersgd" and name != "ddp":
+        raise ValueError(f"unknown contender {contender!r}: +powersgd is DDP's PowerSGD hook (ddp+powersgd only)")
     opts, engine = CONTENDERS[name]
     return opts + (["--compression", comp] if comp else []), engine
 

@@ -1,5 +1,5 @@
-"""Throughput and accuracy under an emulated network bottleneck: osp against Horovod's optimizer
-and PyTorch DDP, in one run, with ranks in network namespaces whose links are shaped with tc.
+"""Throughput and accuracy under an emulated network bottleneck: osp against Horovod's optimizer,
+PyTorch DDP and FSDP2, in one run, with ranks in network namespaces whose links are shaped with tc.
 
     python bench/train_throughput.py --quick          # a few minutes on 2 cores (needs root)
     python bench/train_throughput.py --ranks 2,4 --bandwidths 100mbit,1gbit,10gbit,none
@@ -8,7 +8,8 @@ and PyTorch DDP, in one run, with ranks in network namespaces whose links are sh
 
 For every model (bench/models.py: a synthetic-input MLP of ~8M parameters, a CIFAR ResNet-18, a small
 GPT), batch and bandwidth it trains with each contender and reports samples/s, the step-time
-breakdown (compute, stage-1 communication, stage-2 wait) and the ratio to Horovod and to DDP. Two
+breakdown (compute, stage-1 communication, stage-2 wait) and the ratio to Horovod and to DDP, and OSP
+auto's samples/s over the best fixed osp mode's (BSP, critical 0.1, 0.25, 0.5) that ran beside it. Two
 contenders measure the halves of the perfect-overlap bound in the same run: `compute` (the step
 without any collective) and `allreduce` (an allreduce of the gradient's size, no compute); every row's
 share of bound is max(compute, allreduce) / its step time. Then it trains the digits CNN with BSP and
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import gc
 import json
 import os
 import statistics
@@ -33,15 +35,18 @@ from bench.models import DEFAULT_BATCH, MODELS, build  # noqa: E402
 
 # compute, allreduce: the two halves of the perfect-overlap bound (the step alone, the collective alone);
 # overlap: both at once with no dependency between them, what that bound costs on this machine's CPUs
-CONTENDERS = ["compute", "allreduce", "overlap", "hvd", "ddp", "osp-bsp", "osp-auto", "osp-0.1", "osp-0.25",
-              "osp-0.5"]
+CONTENDERS = ["compute", "allreduce", "overlap", "hvd", "ddp", "fsdp", "osp-bsp", "osp-auto", "osp-0.1",
+              "osp-0.25", "osp-0.5"]
+# the fixed osp modes OSP auto is compared with (auto_vs_best_fixed: auto over the best of those that ran)
+FIXED_OSP = ["osp-bsp", "osp-0.1", "osp-0.25", "osp-0.5"]
 # compressed, a contender with a suffix: "+fp16" / "+bf16" (osp's compression=, Horovod's Compression.fp16,
-# DDP's fp16_compress_hook / bf16_compress_hook), "+powersgd" (DDP with PowerSGD: rank 4, error feedback,
-# start_powerSGD_iter=10), "+s2fp16" (OSP: only the deferred blocks in fp16); "allreduce+fp16" is the
-# collective alone in float16, the compressed half of the bound
-COMPRESSION_CONTENDERS = ["compute", "allreduce", "allreduce+fp16", "ddp", "ddp+fp16", "ddp+powersgd", "hvd",
-                          "hvd+fp16", "osp-bsp", "osp-bsp+fp16", "osp-auto", "osp-auto+fp16", "osp-0.25+s2fp16",
-                          "dsync-2", "dsync-2+fp16"]
+# DDP's fp16_compress_hook / bf16_compress_hook, FSDP2's MixedPrecisionPolicy(reduce_dtype=)), "+powersgd" (DDP
+# with PowerSGD: rank 4, error feedback, start_powerSGD_iter=10), "+s2fp16" (OSP: only the deferred blocks in
+# fp16); "allreduce+fp16" is the collective alone in float16, the compressed half of the bound. "fsdp": FSDP2
+# (torch.distributed.fsdp.fully_shard per layer or block, then the root; osp.train.fully_shard_model)
+COMPRESSION_CONTENDERS = ["compute", "allreduce", "allreduce+fp16", "ddp", "ddp+fp16", "ddp+powersgd", "fsdp",
+                          "fsdp+fp16", "hvd", "hvd+fp16", "osp-bsp", "osp-bsp+fp16", "osp-auto", "osp-auto+fp16",
+                          "osp-0.25+s2fp16", "dsync-2", "dsync-2+fp16"]
 # --variation: a link whose rate changes while training runs, and compute that varies per step
 VARIATION_CONTENDERS = ["dsync-auto", "dsync-2", "dsync-4", "osp-auto", "osp-bsp", "ddp", "hvd"]
 # --contenders stragglers (with --stragglers 1,2,4: the last rank that many times slower): HSP alone ("hsp-bsp"),
@@ -61,6 +66,19 @@ def engine(contender: str, osp_backend: str) -> str:
 
 
 def worker(a):
+    """Train ``a.contender`` on this rank; a failure (FSDP2 refusing a model on Gloo, say) is written to
+    ``a.out`` by rank 0 as the row's ``error`` (its exception, one line) before it is raised again."""
+    try:
+        return train_steps(a)
+    except Exception as e:
+        if os.environ.get("RANK", os.environ.get("HOROVOD_RANK", "0")) == "0":
+            what = "FSDP2 (fully_shard) on CPU/Gloo" if a.contender.startswith("fsdp") else a.contender
+            with open(a.out, "w") as fh:
+                json.dump({"error": f"{what}, {a.model}: {type(e).__name__}: {e}"[:1000]}, fh)
+        raise
+
+
+def train_steps(a):
     import torch
 
     import osp
@@ -111,6 +129,11 @@ def worker(a):
 
         net = torch.nn.parallel.DistributedDataParallel(model)
         register_ddp_compression(net, comp or "none")
+        opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    elif name == "fsdp":
+        from osp.train import fully_shard_model
+
+        net = fully_shard_model(model, comp or "none")  # the parameters are now shards: a new SGD over them
         opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
     else:
         family = name.split("-", 1)[0]
@@ -211,8 +234,10 @@ def worker(a):
 
         hvd.shutdown()
     else:
-        # DDP holds the process group: drop it first, so destroying the group joins Gloo's threads now
-        del net, opt
+        # DDP and FSDP hold the process group: drop them first (FSDP's state is in reference cycles with the
+        # model: collect them), so destroying the group joins Gloo's threads now
+        del net, opt, model
+        gc.collect()
         torch.distributed.destroy_process_group()
 
 
@@ -248,6 +273,8 @@ def run_contender(NetEm, rate, ranks, contender, a, tmp, model="mlp", batch=64, 
     out = os.path.join(tmp, f"{tag}.json")
     log_prefix = os.path.join(tmp, f"log-{tag}")
     backend = engine(contender, a.osp_backend)
+    if os.path.exists(out):  # an earlier repeat's
+        os.remove(out)
     argv = [sys.executable, os.path.abspath(__file__), "--worker", "--contender", contender, "--out", out,
             "--model", model, "--width", str(a.width), "--batch", str(batch), "--steps", str(a.steps),
             "--warmup", str(a.warmup), "--block-size", str(a.block_size), "--osp-backend", a.osp_backend,
@@ -261,16 +288,21 @@ def run_contender(NetEm, rate, ranks, contender, a, tmp, model="mlp", batch=64, 
     with NetEm(ranks, rate=None if rate == "none" else rate, switch=switch) as net:
         codes = net.run(backend, argv, timeout=a.run_timeout, env={"PYTHONPATH": ROOT + "/python:" + ROOT},
                         log_prefix=log_prefix)
-    if any(codes) or not os.path.exists(out):
-        try:
-            with open(log_prefix + ".rank0.log") as fh:
-                logs = fh.read()[-2000:]
-        except OSError as e:
-            logs = f"(no log: {e})"
+    r = None
+    if os.path.exists(out):
+        with open(out) as fh:
+            r = json.load(fh)
+    if any(codes) or r is None or "error" in r:
+        if r is not None and "error" in r:  # the worker's own: its exception
+            logs = r["error"]
+        else:
+            try:
+                with open(log_prefix + ".rank0.log") as fh:
+                    logs = fh.read()[-2000:]
+            except OSError as e:
+                logs = f"(no log: {e})"
         return {"model": model, "batch": batch, "contender": contender, "ranks": ranks, "rate": rate,
                 "straggler": straggler, "error": f"exit codes {codes}: {logs}"}
-    with open(out) as fh:
-        r = json.load(fh)
     r["rate"] = rate
     return r
 
@@ -319,6 +351,22 @@ def add_bounds(rows):
         if "compute" in peers and "allreduce" in peers:
             r["ceiling_sps"] = ceiling(r, peers["compute"]["step_s"], peers["allreduce"]["step_s"])
             r["share_of_ceiling"] = r["samples_per_s"] / r["ceiling_sps"]
+        if r["contender"] == "osp-auto":
+            auto_against_fixed(r, peers)
+
+
+def auto_against_fixed(r, peers) -> None:
+    """On OSP auto's row: ``auto_vs_best_fixed``, its samples/s over the best of the fixed osp modes
+    (FIXED_OSP) that ran without error in its group, ``best_fixed`` naming that one (absent if none ran),
+    and ``chosen_critical``, the share auto ran at the end (its budget's, None while still in its warm-up)."""
+    fixed = [peers[c] for c in FIXED_OSP if c in peers]
+    if fixed:
+        best = max(fixed, key=lambda x: x["samples_per_s"])
+        r["best_fixed"] = best["contender"]
+        r["auto_vs_best_fixed"] = r["samples_per_s"] / best["samples_per_s"]
+    b = r.get("budget")
+    if isinstance(b, dict) and "fraction" in b:
+        r["chosen_critical"] = b["fraction"] if b.get("phase") == "auto" else None
 
 
 def ceiling(r, compute_s: float, allreduce_s: float) -> float:
@@ -366,15 +414,15 @@ def table(rows):
     lines = ["| model | batch | bandwidth | ranks | contender | samples/s | x Horovod | x DDP | share of bound | "
              "share of overlap | step ms "
              "| compute ms | stage-1 ms | stage-2 wait ms | critical | bound ms | estimate ms | x DDP+fp16 "
-             "| share of fp16 bound |",
-             "|" + "---|" * 19]
+             "| share of fp16 bound | auto vs best fixed | auto's share |",
+             "|" + "---|" * 21]
     ms = lambda r, k: f"{1e3 * r[k]:.1f}" if k in r else "-"  # noqa: E731
     f2 = lambda r, k: f"{r[k]:.2f}" if k in r else "-"  # noqa: E731
     estimated = False
     for r in rows:
         head = [r.get("model", "mlp"), str(r.get("batch", "-")), r["rate"], str(r["ranks"]), r["contender"]]
         if "error" in r:
-            lines.append("| " + " | ".join(head) + " | failed |" + " |" * 13)
+            lines.append("| " + " | ".join(head) + " | failed |" + " |" * 15)
             continue
         mark = "*" if r.get("bound_from") == "estimate" else ""
         estimated = estimated or bool(mark)
@@ -382,11 +430,16 @@ def table(rows):
                         f2(r, "share_of_overlap"), ms(r, "step_s"), "-" if r["contender"].startswith("allreduce")
                         else ms(r, "compute_s" if "compute_s" in r else "compute_alone_s"),
                         ms(r, "stage1_s"), ms(r, "stage2_wait_s"), f2(r, "critical_fraction"),
-                        ms(r, "bound_s") + mark, ms(r, "ideal_s"), f2(r, "x_ddp_fp16"), f2(r, "share_of_bound_fp16")]
+                        ms(r, "bound_s") + mark, ms(r, "ideal_s"), f2(r, "x_ddp_fp16"), f2(r, "share_of_bound_fp16"),
+                        f"{r['auto_vs_best_fixed']:.2f} ({r['best_fixed']})" if "auto_vs_best_fixed" in r else "-",
+                        "measuring" if "chosen_critical" in r and r["chosen_critical"] is None
+                        else f2(r, "chosen_critical")]
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("\nshare of bound: max(compute step, allreduce step) of the same model, batch, bandwidth and "
                  "ranks, over the row's step time; share of overlap: the overlap contender's step (compute and an "
-                 "allreduce of the gradient at once, no dependency) over the row's; "
+                 "allreduce of the gradient at once, no dependency) over the row's; auto vs best fixed: OSP auto's "
+                 "samples/s over the best of " + ", ".join(FIXED_OSP) + " that ran (named), auto's share: the "
+                 "critical share it ran at the end; "
                  "estimate: max(compute alone, ring-allreduce time at the link "
                  "rate)" + ("; * bound from the estimate (compute or allreduce row missing)" if estimated else ""))
     return "\n".join(lines)

@@ -66,3 +66,45 @@ def test_powersgd_is_ddps_alone():
         args = argparse.Namespace(sync=sync, compression="powersgd", optimizer="sgd", lr=0.1, weight_decay=0.0)
         with pytest.raises(ValueError, match="DDP's PowerSGD hook .*got --sync " + sync):
             make_optimizer(args, model, None, "torch")
+
+
+def test_fsdp_contenders_map_to_osp_train_flags():
+    assert "fsdp" in tta.CONTENDERS and "fsdp+fp16" in tta.PRESETS["compression"]
+    assert tta.split_contender("fsdp") == (["--sync", "fsdp"], "torch")
+    assert tta.split_contender("fsdp+fp16") == (["--sync", "fsdp", "--compression", "fp16"], "torch")
+    for bad in ("fsdp+powersgd", "osp-auto+powersgd"):  # PowerSGD is DDP's hook alone
+        with pytest.raises(ValueError, match="unknown contender .*ddp\\+powersgd only"):
+            tta.split_contender(bad)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--link", "1gbit"], "--sync fsdp: no --link"),
+    (["--checkpoint-dir", "ck"], "no --checkpoint-dir"),
+    (["--backend", "horovod"], "--sync fsdp needs torch.distributed"),
+])
+def test_osp_train_refuses_what_fsdp_cannot_do(flags, message, capsys):
+    """Before any rank connects: no emulated link (FSDP's collectives are not emulated), no checkpoints
+    (rank 0 would save its shards alone), no Horovod engine."""
+    from osp import train
+
+    with pytest.raises(SystemExit) as e:
+        train.main(["--sync", "fsdp", *flags])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.multiproc
+def test_an_fsdp_contender_trains_as_the_bench_runs_it(tmp_path):
+    """The bench's own command line for fsdp+fp16 (train_argv), on 2 real ranks without namespaces: osp.train
+    --sync fsdp learns, and the replicas (each rank's shards gathered) end bitwise equal."""
+    import json
+
+    out = str(tmp_path / "fsdp.json")
+    a = argparse.Namespace(epochs=2, batch_size=64, lr=0.1, model="mlp", eval_every=1, width=2, channels=16,
+                           straggler=1.0)
+    argv = tta.train_argv("fsdp+fp16", 0, a, out)
+    proc = launch.run("spawn", 2, argv[1:], timeout=120, env={"MASTER_PORT": str(launch.free_port())})
+    launch.check(proc)
+    r = json.loads(open(out).read())
+    assert (r["config"]["sync"], r["config"]["compression"], r["config"]["ranks"]) == ("fsdp", "fp16", 2)
+    assert len(r["epochs"]) == 2 and r["final_test_acc"] > 0.5, r["epochs"]
+    assert len(set(r["replica_digests"])) == 1

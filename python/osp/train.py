@@ -161,6 +161,9 @@ def make_optimizer(args, model, comm, backend):
             register_ddp_compression(ddp, args.compression)
         inner = type(inner)(ddp.parameters(), **inner.defaults)
         return ddp, inner
+    if args.sync == "fsdp":
+        model = fully_shard_model(model, args.compression)
+        return model, type(inner)(model.parameters(), **inner.defaults)
     raise ValueError(f"unknown --sync {args.sync!r}")
 
 
@@ -207,6 +210,37 @@ def register_ddp_compression(ddp, name: str) -> None:
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     elif name != "none":
         raise ValueError(f"--compression {name!r}: DDP has none, fp16, bf16 and powersgd")
+
+
+def fully_shard_model(model, compression: str = "none"):
+    """``model`` sharded in place over every rank with FSDP2 (``torch.distributed.fsdp.fully_shard``): a unit
+    per item of its outermost ``nn.Sequential`` / ``nn.ModuleList`` (an MLP's layers, ResNet's blocks, a
+    GPT's blocks), or, in a model without one, per child module holding parameters; then the root. The
+    parameters stay gathered from forward to backward (``reshard_after_forward=False``), the gradients are
+    reduce-scattered in float32, or in ``compression`` (fp16, bf16: ``MixedPrecisionPolicy(reduce_dtype=)``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    dtypes = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+    if compression not in dtypes:
+        raise ValueError(f"--compression {compression!r}: FSDP reduces in float32 (none), fp16 or bf16")
+    units = []
+
+    def visit(m):
+        for child in m.children():
+            if isinstance(m, (torch.nn.Sequential, torch.nn.ModuleList)) and any(True for _ in child.parameters()):
+                units.append(child)
+            else:
+                visit(child)
+
+    visit(model)
+    if not units:
+        units = [c for c in model.children() if any(True for _ in c.parameters())]
+    mesh = init_device_mesh(next(model.parameters()).device.type, (torch.distributed.get_world_size(),))
+    mp = MixedPrecisionPolicy(reduce_dtype=dtypes[compression])
+    for m in units + [model]:
+        fully_shard(m, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
+    return model
 
 
 def parse_straggler(text: str, size: int):
@@ -278,6 +312,8 @@ def digest(model) -> str:
 
     h = hashlib.sha256()
     for name, t in sorted(model.state_dict().items()):
+        if hasattr(t, "full_tensor"):  # FSDP's shard (a DTensor): the whole tensor (a collective)
+            t = t.full_tensor()
         h.update(name.encode())
         h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
@@ -627,12 +663,14 @@ def _valid_latency(ap, text: str) -> bool:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="osp.train", description=__doc__, formatter_class=_Help)
-    ap.add_argument("--sync", choices=["bsp", "osp", "dsync", "hsp", "hvd", "ddp"], default="osp",
+    ap.add_argument("--sync", choices=["bsp", "osp", "dsync", "hsp", "hvd", "ddp", "fsdp"], default="osp",
                     help="bsp / osp / dsync / hsp: osp.DistributedOptimizer with that mode; hvd: "
-                    "horovod.torch.DistributedOptimizer; ddp: torch DistributedDataParallel")
+                    "horovod.torch.DistributedOptimizer; ddp: torch DistributedDataParallel; fsdp: torch FSDP2 "
+                    "(fully_shard per layer or block, gradients reduce-scattered as --compression: none, fp16, bf16)")
     ap.add_argument("--critical", type=share_or_auto, default="auto",
                     help="OSP: the share of gradient blocks averaged before each update, a number in [0, 1], or "
-                    "'auto' (osp.OSP()'s default: measure the link and the backward, try shares, keep the fastest)")
+                    "'auto' (osp.OSP()'s default: measure the step and the link, run the share the step model predicts "
+                    "fastest, check it by measured steps, follow the link)")
     ap.add_argument("--min-critical", type=float_in(0.0, 1.0, "a number in [0, 1]"), default=0.05,
                     help="OSP: the least share of each bucket kept critical")
     ap.add_argument("--delay", type=delay_or_auto, default="2",
@@ -727,6 +765,8 @@ def mode_words(args) -> str:
         words = "sync=hvd (horovod.torch.DistributedOptimizer)"
     elif args.sync == "ddp":
         words = "sync=ddp (DistributedDataParallel)"
+    elif args.sync == "fsdp":
+        words = "sync=fsdp (FSDP2 fully_shard)"
     else:
         words = "sync=" + osp_words(args.sync)
     if args.compression != "none":
@@ -737,39 +777,33 @@ def mode_words(args) -> str:
 
 
 def auto_words(b: dict, nbytes: int, size: int = 2) -> str:
-    """What OSP ``auto``'s budget (``stats()["budget"]``) settled on, and why, in one sentence."""
-    import statistics
-
-    from osp.policy import Budget
-
+    """What OSP ``auto``'s budget (``stats()["budget"]``) runs now, and why, in one sentence: its last decision,
+    from which figures (the predicted step of each share, the measured ones), and how many decisions there were."""
+    rate = b.get("rate_Bps") or 0.0
     measured = []
-    if b.get("bw"):
-        measured.append(f"bandwidth {b['bw'] / 1e6:.0f} MB/s, so {1e3 * nbytes / b['bw']:.0f} ms to average the "
-                        f"{nbytes / 1e6:.1f} MB gradient")
-    if b.get("backward"):
-        measured.append(f"backward window {1e3 * statistics.median(b['backward']):.0f} ms")
-    if b.get("model") is not None:
-        measured.append(f"modelled share {Budget.HEADROOM:g} x backward / allreduce = {b['model']:.2f}")
-    why = f" (measured: {'; '.join(measured)})" if measured else ""
     if size == 1:
-        why += "; one rank: no network, its 'allreduce' is a local copy"
-    if b["phase"] != "settled":
-        return (f"OSP auto: still measuring when the run ended (phase {b['phase']!r} after {b['steps']} steps; it "
-                f"settles by step 10){why}")
-    if set(b["shares"]) == {"bsp"}:
-        return (f"OSP auto: settled on critical share 1.00 (BSP's steps): the allreduce fits in "
-                f"{Budget.HEADROOM:.0%} of the backward window, so there is nothing to defer{why}")
-    tried = []
-    for k in Budget.TRIALS:
-        if k in b["shares"] and b["iterations"].get(k):
-            tried.append(f"{b['shares'][k]:.2f}: {1e3 * statistics.median(b['iterations'][k]):.0f} ms")
-    tried = f"median iteration per share tried: {', '.join(tried)}"
-    if b["fraction"] >= 1.0:
-        return (f"OSP auto: settled on critical share 1.00 (BSP's steps): no smaller share made iterations at least "
-                f"{Budget.MARGIN:.0%} faster ({tried}){why}")
-    return (f"OSP auto: settled on critical share {b['fraction']:.2f}, deferring {1 - b['fraction']:.0%} of the blocks "
-            f"each step: the smallest share whose iterations were at least {Budget.MARGIN:.0%} faster than the larger "
-            f"shares' ({tried}){why}")
+        measured.append("one rank: nothing travels")
+    elif 0 < rate < float("inf"):
+        measured.append(f"link {rate / 1e6:.0f} MB/s, {1e3 * nbytes / rate:.0f} ms for the {nbytes / 1e6:.1f} MB "
+                        "gradient")
+    steps = {k: v for k, v in (b.get("measured_s") or {}).items() if v}
+    if steps:
+        measured.append("measured step " + ", ".join(f"{1e3 * v:.0f} ms at {k}" for k, v in sorted(
+            steps.items(), key=lambda kv: -float(kv[0]))))
+    why = f" ({'; '.join(measured)})" if measured else ""
+    share = b["fraction"]
+    what = "1.00 (BSP's own steps)" if share >= 1.0 else f"{share:.2f}, deferring {1 - share:.0%} of the blocks"
+    if b["phase"] == "warmup":
+        return f"OSP auto: still measuring when the run ended ({b['steps']} steps){why}"
+    changes = [d for d in b.get("decisions", []) if d["kind"] == "change"]
+    if not changes:
+        return f"OSP auto: critical share {what} throughout: the step model never predicted a share clearly faster{why}"
+    last = changes[-1]
+    pred = last.get("predicted_s") or {}
+    told = "; predicted " + ", ".join(f"{1e3 * v:.0f} ms at {k}" for k, v in sorted(
+        pred.items(), key=lambda kv: -float(kv[0]))) if pred else ""
+    return (f"OSP auto: critical share {what}, since step {last['step']} ({len(changes)} change(s) in all; the last: "
+            f"{last['why']}{told}){why}")
 
 
 def decision_lines(args, st: dict, size: int, nbytes: int) -> list:
@@ -828,14 +862,17 @@ def main(argv=None):
         if args.link is None or "," in args.link.spec:
             ap.error("--latency goes with --link RATE (or write --link RATE,LATENCY, not both)")
         args.link = link_arg(f"{args.link.spec},{args.latency}") if _valid_latency(ap, args.latency) else None
+    if args.sync == "fsdp" and (args.link is not None or args.checkpoint_dir is not None):
+        ap.error("--sync fsdp: no --link (its collectives are not emulated) and no --checkpoint-dir (rank 0 "
+                 "would save only its own shards)")
     check_device(ap, args.device)
 
     torch.set_num_threads(args.threads)
     backend, why = detect_backend() if args.backend == "auto" else (args.backend, "--backend")
     if args.sync == "hvd" and backend != "horovod":
         ap.error("--sync hvd needs horovodrun/mpirun with the horovod backend")
-    if args.sync == "ddp" and backend == "horovod":
-        ap.error("--sync ddp needs torch.distributed (torchrun, or --backend torch)")
+    if args.sync in ("ddp", "fsdp") and backend == "horovod":
+        ap.error(f"--sync {args.sync} needs torch.distributed (torchrun, or --backend torch)")
     if args.elastic and backend != "horovod":
         ap.error("--elastic needs horovodrun (Horovod Elastic); under torchrun use --checkpoint-dir")
     comm, backend = init(backend, args.device)

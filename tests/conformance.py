@@ -77,13 +77,6 @@ def _resumed_at(fraction):
     return prepare
 
 
-def _slow_link(opt):
-    """Every rate sample 5 ms for the gradient (this model's 1352 bytes at 270 kB/s): the step model predicts
-    deferring faster than BSP, whose step waits for the whole allreduce; the measured steps (no such link) then
-    send it back to BSP once its check has run. Both handovers, BSP to OSP and back, on one rank."""
-    opt.mode.meter.sample_rate = 1352 / 5e-3
-
-
 MODES: Dict[str, Mode] = {m.name: m for m in [
     Mode("bsp", lambda: osp.BSP(bucket_mb=BUCKET_MB)),
     Mode("osp-0.25", lambda: osp.OSP(0.25, block_size=BLOCK, bucket_mb=BUCKET_MB)),
@@ -92,11 +85,12 @@ MODES: Dict[str, Mode] = {m.name: m for m in [
     # auto: BSP's code while it measures, then the step model (on one rank nothing travels: BSP)
     Mode("osp-auto", lambda: osp.OSP("auto", block_size=BLOCK, bucket_mb=BUCKET_MB)),
     Mode("osp-auto-warmup", lambda: osp.OSP("auto", warmup=STEPS + 2, block_size=BLOCK, bucket_mb=BUCKET_MB)),
-    # resumed deferring (then handed to BSP), and led by a slow link from BSP to deferring (and back)
+    # resumed at a deferring share: BSP's code to OSP's at the first step (the corrector adopts BSP's state);
+    # on one rank the step model may send it back to BSP once it has measured (the other handover) or not
     Mode("osp-auto-trials", lambda: osp.OSP("auto", block_size=BLOCK, bucket_mb=BUCKET_MB),
          prepare=_resumed_at(0.4)),
     Mode("osp-auto-deferring", lambda: osp.OSP("auto", block_size=BLOCK, bucket_mb=BUCKET_MB),
-         prepare=_slow_link),
+         prepare=_resumed_at(0.3)),
     Mode("dsync-1", lambda: osp.DSync(delay=1, bucket_mb=BUCKET_MB)),
     Mode("dsync-2", lambda: osp.DSync(delay=2, bucket_mb=BUCKET_MB)),
     Mode("dsync-3", lambda: osp.DSync(delay=3, bucket_mb=BUCKET_MB)),

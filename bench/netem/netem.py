@@ -73,6 +73,7 @@ class NetEm:
             for r in rates:
                 parse_rate(r)
         self.switch = switch
+        self.switched: List[tuple] = []  # with switch: (time.time(), rate) of each change, the first rate first
         self._links: List[tuple] = []
         self._stop = threading.Event()
         self._switcher: Optional[threading.Thread] = None
@@ -110,6 +111,7 @@ class NetEm:
     def _switch_loop(self):
         rates, period = self.switch
         i = 0
+        self.switched.append((time.time(), rates[0]))
         while not self._stop.wait(period):
             i += 1
             rate = rates[i % len(rates)]
@@ -117,6 +119,7 @@ class NetEm:
             for where, dev in self._links:
                 _sh(["tc", "-n", where, "qdisc", "change", "dev", dev, "root", "tbf", "rate", rate,
                      "burst", str(burst), "latency", "100ms"], check=False)
+            self.switched.append((time.time(), rate))  # (wall time, rate): when each rate took over
 
     def close(self):
         self._stop.set()

@@ -32,8 +32,8 @@ class Handle:
         self.target: Optional[torch.Tensor] = None
         self.resum = False  # compressed: a sum was asked for, and the wire carried the average
         self.due: Optional[float] = None  # an emulated link's end of this collective (osp.linkemu), if one
-        # when it was issued and completed (time.monotonic(); t1 None until known): what OSP(auto)'s meter
-        # measures the link by (osp.policy.Meter)
+        # when it was issued and completed (time.monotonic(); t1 None until known; an emulated link's ``due``
+        # is applied by the reader, osp.policy.Meter, which measures the link by them)
         self.t0: Optional[float] = None
         self.t1: Optional[float] = None
 
@@ -134,8 +134,6 @@ class Comm(abc.ABC):
         if not handle.done:
             if handle.t1 is None:
                 handle.t1 = time.monotonic()
-            if handle.due is not None:  # an emulated link ends it no sooner than its booked end
-                handle.t1 = max(handle.t1, handle.due)
             if handle.target is not None:  # decompressed: the average, times the ranks where a sum was asked
                 handle.target.copy_(handle.tensor)
                 if handle.resum:
@@ -396,7 +394,7 @@ class TorchComm(Comm):
         if not handle.tensor.is_cuda and handle.work is not None:
             def done(_fut, h=handle):
                 if h.t1 is None:
-                    h.t1 = time.monotonic() if h.due is None else max(time.monotonic(), h.due)
+                    h.t1 = time.monotonic()
             handle.work.get_future().add_done_callback(done)
 
     def _complete(self, handle, timeout=None):

@@ -257,10 +257,9 @@ def model_step(profile: dict, cluster: Cluster) -> stepmodel.Step:
     """The profile on ``cluster`` as ``osp.stepmodel`` describes a step (the slowest rank's): compute ``F + B``,
     each bucket ready at ``F`` plus its ready time, the link ``cluster.allreduce_s``, BSP's and OSP's own step."""
     F, B, S_bsp = _compute(profile, "bsp", cluster)
-    S_osp = _compute(profile, "osp", cluster)[2]
     return stepmodel.Step(compute=F + B, ready=[F + r for r in _ready(profile, cluster)],
                           nbytes=[b["bytes"] for b in profile["buckets"]], link=cluster.allreduce_s,
-                          work_bsp=S_bsp, work_osp=S_osp)
+                          work_bsp=S_bsp, work_osp=_mode(profile, "osp")["step_s"])
 
 
 def step_bsp(profile: dict, cluster: Cluster) -> float:

@@ -71,7 +71,7 @@ class Meter:
 
     def track(self, handle) -> None:
         """A bulk collective whose time measures the link (not the agreement's small sums)."""
-        if handle is not None:
+        if handle is not None and handle.t0 is not None:  # an empty one never travels
             res = handle.result
             self._flights.append((handle, res.numel() * res.element_size()))
 
@@ -106,13 +106,10 @@ class Meter:
         keep = []
         added = 0
         for h, nbytes in self._flights:
-            t1 = getattr(h, "t1", None)
-            if t1 is None and h.done:
-                t1 = self.now()
-            if t1 is None:
+            if h.t1 is None:
                 keep.append((h, nbytes))
-            elif h.t0 is not None:
-                self._done.append((h.t0, t1, nbytes))
+            else:  # an emulated link (osp.linkemu) ends it no sooner than its booked end
+                self._done.append((h.t0, h.t1 if h.due is None else max(h.t1, h.due), nbytes))
                 added += 1
         self._flights = keep
         self._marks.append(added)

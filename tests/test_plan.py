@@ -11,7 +11,8 @@ import sys
 import pytest
 import torch
 
-from osp.plan import Cluster, check_profile, choose, notes, parse_bandwidth, plan, recommend
+from osp import stepmodel
+from osp.plan import AUTO_MIN_CRITICAL, Cluster, check_profile, choose, notes, parse_bandwidth, plan, recommend
 from osp.profile import profile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -402,3 +403,17 @@ def test_noise_is_reported_and_an_extreme_one_refused():
         plan(p, Cluster(2, 1e9))
     assert plan(p, Cluster(2, 1e9), max_noise=1.0)[0]["mode"] == "bsp"
     assert check_profile(p, max_noise=1.0) == 0.8
+
+
+@pytest.mark.parametrize("link", [1e9, 1e12])
+def test_a_noise_of_100_percent_or_more_floors_the_fast_end_at_zero(link):
+    """CI's run of stop 54: a profile measured on a loaded host had a noise above 1, and with ``max_noise=inf``
+    the plan scaled every time by ``1 - noise`` < 0: negative steps (where compute outweighs the link: 1e12),
+    and auto's decision found no share."""
+    p = synthetic()
+    p["noise"], p["noisiest"] = 1.7, "osp"
+    rows = plan(p, Cluster(2, link), max_noise=math.inf)
+    for r in rows:
+        lo, hi = r["step_s_range"]
+        assert 0 <= lo <= r["step_s"] <= hi, r
+    assert by_mode(rows)["osp-auto"]["critical"] in stepmodel.shares(AUTO_MIN_CRITICAL)

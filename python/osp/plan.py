@@ -339,11 +339,12 @@ def plan(profile: dict, cluster: Cluster, shares: Sequence[float] = (0.1, 0.25, 
     """One dict per mode: ``mode``, ``steps_per_s`` (synchronized steps: what ``recommend`` ranks by),
     ``samples_per_s``, ``micro_batches`` (a step's, over all ranks), ``bound_share``, ``step_s``, ``noise`` (the
     profile's), ``step_s_range`` (the step predicted from the profile with every time ``1 - noise`` and
-    ``1 + noise`` times as long) and, for ``osp-auto``, ``critical``; in the order bsp, osp-auto,
+    ``1 + noise`` times as long; a noise of 1 or more, from a profile measured on a busy machine, floors
+    the low end at 0) and, for ``osp-auto``, ``critical``; in the order bsp, osp-auto,
     osp-<share>..., dsync-<delay>..., hsp. The profile is checked first (``check_profile``)."""
     noise = check_profile(profile, max_noise)
     rows = _rows(profile, cluster, shares, delays, max_extra)
-    ends = [_rows(_scaled(profile, f), cluster, shares, delays, max_extra) for f in (1 - noise, 1 + noise)] \
+    ends = [_rows(_scaled(profile, f), cluster, shares, delays, max_extra) for f in (max(0.0, 1 - noise), 1 + noise)] \
         if noise else [rows]
     for k, r in enumerate(rows):
         got = [r["step_s"]] + [e[k]["step_s"] for e in ends]

@@ -123,7 +123,7 @@ def decide(st: Step, current: float, min_critical: float = 0.0, margin: float = 
         options.append(current)
     pred = {s: predict(st, s, min_critical) for s in options}
     fastest = min(pred.values())
-    best = max(s for s in options if pred[s] <= (1.0 + TIE) * fastest)
+    best = max(s for s in options if pred[s] <= fastest + TIE * abs(fastest))
     if best != current and pred[best] < (1.0 - margin) * pred[current]:
         return best, pred
     return current, pred

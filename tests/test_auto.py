@@ -76,10 +76,14 @@ class Job:
     """A job whose figures the ranks would agree on: ``rate(t)`` bytes/s at step ``t``, the two-bucket step,
     iterations the model's own step times ``truth(share)`` (1: the model is right), with relative ``noise``."""
 
-    def __init__(self, rate, truth=lambda s: 1.0, noise=0.0, seed=0, compute=0.10, work_osp=0.015):
+    def __init__(self, rate, truth=lambda s: 1.0, noise=0.0, seed=0, compute=0.10, work_osp=0.015,
+                 shared=(1.0, math.inf)):
         self.rate, self.truth, self.noise = rate, truth, noise
         self.rand = random.Random(seed)
         self.compute, self.work_osp = compute, work_osp
+        # a host whose CPUs run both the collectives and the compute: while deferring, the compute is
+        # ``shared[0]`` times as long, and the link's achieved rate at most ``shared[1]`` bytes/s
+        self.shared = shared
 
     def run(self, budget: Budget, steps: int):
         """Drive ``budget`` ``steps`` steps; the share each step ran."""
@@ -88,8 +92,13 @@ class Job:
             share = budget.fraction
             ran.append(share)
             st = two_buckets(rate=self.rate(t), compute=self.compute, work_osp=self.work_osp)
+            slower, cap = self.shared
+            rate = {False: self.rate(t), True: min(self.rate(t), cap)}
+            st.deferring = two_buckets(rate=rate[True], compute=self.compute * slower, work_osp=self.work_osp)
+            here = st.deferring if share < 1.0 else st
             jitter = 1 + self.noise * (2 * self.rand.random() - 1)
-            fig = {"compute": st.compute * jitter, "ready": [r * jitter for r in st.ready], "rate": self.rate(t),
+            fig = {"compute": here.compute * jitter, "ready": [r * jitter for r in here.ready],
+                   "rate": rate[share < 1.0],
                    "work": 0.0 if last is None else (st.work_osp if last[0] < 1 else st.work_bsp),
                    "iteration": 0.0 if last is None else last[1], "started": t > 0}
             budget.update(fig, st.nbytes)
@@ -153,6 +162,44 @@ def test_auto_follows_a_link_that_changes_within_ten_steps_each_way():
     up = first_change(ran, 69)
     assert up is not None and up - 70 <= 10 and ran[up] == 1.0, ran
     assert set(ran[up:]) == {1.0}, ran
+
+
+def test_auto_follows_a_link_on_a_host_whose_cpus_also_run_the_collectives():
+    """bench/auto_follow.py's miss, simulated: two ranks on one host, where deferring makes the compute 25%
+    longer and caps the link's achieved rate (stage 2 and the compute share the CPUs), and OSP's step work is
+    70 ms to BSP's 10. On the fast link BSP is fastest (132 ms against 135 at best), on the slow one any share
+    (250 ms against 320). Fed only the figures of the share it runs, auto judged BSP by OSP's slower compute
+    and rate and stayed deferring on the fast link; each side is now predicted from its own figures, and a
+    link that became faster while deferring has BSP measured again."""
+    fast, slow = 1.6e8, 4e7
+
+    def rate(t):
+        return slow if 30 <= t < 70 else fast
+
+    b = Budget("auto", 0.05, warmup=2)
+    ran = Job(rate=rate, noise=0.05, compute=0.05, work_osp=0.07, shared=(1.25, 1e8)).run(b, 110)
+    down = first_change(ran, 29)
+    assert down is not None and down - 30 <= 10 and ran[down] < 1.0, (ran, b.decisions)
+    assert set(ran[down:70]) == {ran[down]}, ran
+    up = first_change(ran, 69)
+    assert up is not None and up - 70 <= 10 and ran[up] == 1.0, (ran, b.decisions)
+    assert set(ran[up:]) == {1.0}, (ran, b.decisions)
+    assert any(d["why"].startswith("measure BSP again") for d in b.decisions), b.decisions
+
+
+def test_each_side_is_predicted_from_its_own_figures():
+    """BSP's compute and rate from the steps that ran BSP, OSP's from those that deferred; a side not yet
+    measured takes the other's."""
+    b = Budget("auto", 0.05, warmup=100)  # measuring, not deciding
+    Job(rate=lambda t: 1.6e8, compute=0.05, work_osp=0.07, shared=(1.25, 1e8)).run(b, 6)
+    assert b.fraction == 1.0 and not b._figs[True]
+    st = b.model([5 * MB, 5 * MB])
+    assert st.deferring.compute == st.compute == pytest.approx(0.05) and st.deferring.link(1e8) == st.link(1e8)
+    b.fraction = 0.25
+    Job(rate=lambda t: 1.6e8, compute=0.05, work_osp=0.07, shared=(1.25, 1e8)).run(b, 3)
+    st = b.model([5 * MB, 5 * MB])
+    assert st.compute == pytest.approx(0.05) and st.deferring.compute == pytest.approx(0.0625)
+    assert st.link(1.6e8) == pytest.approx(1.0) and st.deferring.link(1e8) == pytest.approx(1.0)
 
 
 def test_auto_does_not_move_for_a_gain_below_the_noise():

@@ -197,14 +197,19 @@ class Budget:
         self.decisions: List[dict] = []
 
     def _reset_figures(self) -> None:
-        self._figs: List[dict] = []  # the agreed figures of the last WINDOW steps
-        self._rates: List[float] = []
-        self._work: Dict[bool, List[float]] = {True: [], False: []}  # by: deferring
+        # by side, deferring (True) or not: on ranks whose collectives share the host's CPUs with the compute,
+        # deferring changes the compute and the link's achieved rate as well as the step's work, so each side
+        # is predicted from its own last WINDOW steps (from the other side's until it has any)
+        self._figs: Dict[bool, List[dict]] = {True: [], False: []}  # the agreed figures
+        self._rates: Dict[bool, List[float]] = {True: [], False: []}
+        self._work: Dict[bool, List[float]] = {True: [], False: []}
         self._iters: Dict[float, List[float]] = {}  # share -> its counted iterations (since the last shift)
         self._vetoed: Dict[float, str] = {}
         self._ran: Optional[tuple] = None  # (share, counted) of the step before this one
         self._first = True  # the next step is the first at its share
-        self._ref: Optional[tuple] = None  # (rate, compute) at this share, once its window holds only its own steps
+        # share -> (rate, compute) its own window measured (kept across changes: a link that moved during a
+        # trial is seen when the share it left is measured again)
+        self._ref: Dict[float, tuple] = {}
         self._held = 0  # steps run at this share
         self._trial: Optional[tuple] = None  # (old share, new share) while the new one is checked
 
@@ -241,19 +246,21 @@ class Budget:
         self._ran = (self.fraction, not self._first)
         self._first = False
         self._held += 1
+        side = self.fraction < 1.0
         if fig.get("started", True):
-            self._figs = (self._figs + [fig])[-self.WINDOW:]
+            self._figs[side] = (self._figs[side] + [fig])[-self.WINDOW:]
         if fig["rate"] > 0:
-            self._rates = (self._rates + [fig["rate"]])[-self.WINDOW:]
+            self._rates[side] = (self._rates[side] + [fig["rate"]])[-self.WINDOW:]
         if self.phase == "warmup":
-            if self.steps < self.warmup or not self._rates:
+            if self.steps < self.warmup or not self._rates[side]:
                 return
             self.phase = "auto"
         st = self.model(nbytes)
         if st is None:
             return
-        if self._trial is None and self._held > self.WINDOW:  # the figures are this share's own: a move now is
-            self._follow(st)  # the link's or the compute's, not this share's (a share changes both on a shared host)
+        # the figures are this share's own: a move now is the link's or the compute's, not this share's
+        if self._trial is None and self._held > self.WINDOW and self._follow(st):
+            st = self.model(nbytes)  # without what was forgotten
         if self._trial is not None:
             self._check_trial(st)
             return
@@ -280,32 +287,57 @@ class Budget:
         mad = statistics.median(abs(x - m) for x in iters)
         return 2 * 1.4826 * mad / m / math.sqrt(len(iters)) if m > 0 else 0.0
 
-    def model(self, nbytes: Sequence[float]) -> Optional[stepmodel.Step]:
-        """The step as the last ``WINDOW`` steps measured it (None before a rate is known)."""
-        rate = self._med(self._rates)
-        if rate <= 0 or not self._figs:
+    def _measured(self, deferring: bool) -> Optional[tuple]:
+        """``(rate, compute, ready)``: the medians of one side's last ``WINDOW`` steps (each figure from the
+        other side's until this side has its own; None before a rate is known)."""
+        figs = self._figs[deferring] or self._figs[not deferring]
+        rate = self._med(self._rates[deferring] or self._rates[not deferring])
+        if rate <= 0 or not figs:
             return None
-        nb = len(nbytes)
-        ready = [self._med([f["ready"][b] for f in self._figs]) for b in range(nb)]
-        bsp = self._med(self._work[False])
-        osp = self._med(self._work[True]) if self._work[True] else self.PRIOR * bsp  # until measured
-        return stepmodel.Step(compute=self._med([f["compute"] for f in self._figs]), ready=ready,
-                              nbytes=list(nbytes), link=lambda b: b / rate, work_bsp=bsp, work_osp=osp,
-                              notes={"rate": rate})
+        nb = len(figs[-1]["ready"])
+        return (rate, self._med([f["compute"] for f in figs]),
+                [self._med([f["ready"][b] for f in figs]) for b in range(nb)])
 
-    def _follow(self, st: stepmodel.Step) -> None:
-        """Forget what was measured under another link or compute (moved by more than ``SHIFT``)."""
-        now = (st.notes["rate"], st.compute)
-        if self._ref is None:
-            self._ref = now
-            return
-        moved = max(abs(math.log(max(a, 1e-12) / max(b, 1e-12))) for a, b in zip(now, self._ref))
-        if moved > math.log1p(self.SHIFT):
-            forgot = bool(self._vetoed or self._trial)
-            self._iters, self._vetoed, self._trial, self._ref = {}, {}, None, now
-            if forgot:
-                self._log("shift", self.fraction, st, None, f"rate {now[0] / 1e6:.0f} MB/s, compute "
-                          f"{1e3 * now[1]:.1f} ms: a trial or veto was measured under another link or compute")
+    def model(self, nbytes: Sequence[float]) -> Optional[stepmodel.Step]:
+        """The step as the last ``WINDOW`` steps of each side measured it (None before a rate is known)."""
+        bsp_side, osp_side = self._measured(False), self._measured(True)
+        if bsp_side is None or osp_side is None:
+            return None
+        work = {k: self._med(v) for k, v in self._work.items() if v}
+        bsp = work.get(False, work.get(True, 0.0) / self.PRIOR)
+        osp = work.get(True, self.PRIOR * bsp)  # until measured
+        here = osp_side if self.fraction < 1.0 else bsp_side
+
+        def step(figs, **extra):
+            rate, compute, ready = figs
+            return stepmodel.Step(compute=compute, ready=ready, nbytes=list(nbytes), link=lambda b: b / rate,
+                                  work_bsp=bsp, work_osp=osp, **extra)
+
+        notes = {"rate": here[0], "compute": here[1], "rate_bsp": bsp_side[0], "rate_osp": osp_side[0],
+                 "compute_osp": osp_side[1]}
+        return step(bsp_side, notes=notes, deferring=step(osp_side))
+
+    def _follow(self, st: stepmodel.Step) -> bool:
+        """Forget what was measured under another link or compute (this share's own figures moved by more than
+        ``SHIFT`` since it was last measured): the iterations and vetoes, and the other side's rate (its compute
+        and work are the host's). Deferring, where the link became faster against the compute (BSP's standing
+        can only have improved), BSP is measured again: the model cannot see BSP's figures from OSP's."""
+        now = (st.notes["rate"], st.notes["compute"])
+        ref = self._ref.setdefault(self.fraction, now)
+        moved = max(abs(math.log(max(a, 1e-12) / max(b, 1e-12))) for a, b in zip(now, ref))
+        if moved <= math.log1p(self.SHIFT):
+            return False
+        side, share = self.fraction < 1.0, self.fraction
+        self._iters = {share: self._iters.get(share, [])[-self.VERIFY:]}  # the last steps: already under it
+        self._vetoed, self._trial, self._ref = {}, None, {share: now}
+        self._rates[not side] = []
+        why = (f"rate {now[0] / 1e6:.0f} MB/s (was {ref[0] / 1e6:.0f}), compute {1e3 * now[1]:.1f} ms (was "
+               f"{1e3 * ref[1]:.1f}) at {share:g}: what was measured under the old link or compute is forgotten")
+        self._log("shift", share, st, None, why)
+        if side and now[0] / ref[0] > now[1] / ref[1]:
+            self._change(1.0, st, None, "measure BSP again: the link became faster against the compute")
+            self._trial = (share, 1.0)
+        return True
 
     def _check_trial(self, st: stepmodel.Step) -> None:
         old, new = self._trial
@@ -325,13 +357,15 @@ class Budget:
 
     def _change(self, share: float, st, pred, why: str) -> None:
         self._log("change", share, st, pred, why)
-        self.fraction, self._first, self._ref, self._held = share, True, None, 0
+        self.fraction, self._first, self._held = share, True, 0
 
     def _log(self, kind, share, st, pred, why) -> None:
         iters = {s: self._med(v) for s, v in self._iters.items()}
         self.decisions.append({"step": self.steps, "kind": kind, "from": self.fraction, "to": share, "why": why,
-                               "rate_Bps": st.notes["rate"], "compute_s": st.compute, "work_bsp_s": st.work_bsp,
-                               "work_osp_s": st.work_osp,
+                               "rate_Bps": st.notes["rate"], "compute_s": st.notes["compute"],
+                               "rate_bsp_Bps": st.notes["rate_bsp"], "rate_osp_Bps": st.notes["rate_osp"],
+                               "compute_bsp_s": st.compute, "compute_osp_s": st.notes["compute_osp"],
+                               "work_bsp_s": st.work_bsp, "work_osp_s": st.work_osp,
                                "predicted_s": None if pred is None else {f"{k:g}": v for k, v in pred.items()},
                                "measured_s": {f"{k:g}": v for k, v in iters.items()}})
         del self.decisions[:-self.KEEP]
@@ -339,7 +373,8 @@ class Budget:
     def stats(self) -> dict:
         """The state, and what the decisions rest on now (``stats()["budget"]``)."""
         return {**self.state_dict(), "measured_s": {f"{k:g}": self._med(v) for k, v in self._iters.items()},
-                "vetoed": {f"{k:g}": v for k, v in self._vetoed.items()}, "rate_Bps": self._med(self._rates)}
+                "vetoed": {f"{k:g}": v for k, v in self._vetoed.items()},
+                "rate_Bps": self._med(self._rates[self.fraction < 1.0])}
 
     def state_dict(self):
         return {"version": 2, "steps": self.steps, "fraction": self.fraction, "phase": self.phase,

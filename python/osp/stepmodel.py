@@ -14,6 +14,9 @@ A step is described from its start (the end of the previous ``step()``):
 - ``link(b)``: the seconds an allreduce of ``b`` bytes takes;
 - ``work_bsp`` / ``work_osp``: the mode's own ``step()`` work once its averages are in (OSP: packing,
   scoring, the correction of the last step's deferred blocks and the wrapped optimizer).
+- ``deferring``: optionally, the same figures as measured while OSP defers (``auto`` measures each side;
+  on ranks whose collectives share the host's CPUs with the compute, deferring lengthens the compute and
+  lowers the link's achieved rate); OSP's predictions use them.
 
 The formulas (``tests/test_stepmodel.py`` holds them):
 
@@ -33,7 +36,7 @@ BSP's code where nothing pays; and a choice that does not flip on rounding).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterable, List, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 #: the critical shares ``auto`` chooses from (one grid step: the next share in it)
 GRID = (1.0, 0.5, 0.35, 0.25, 0.15, 0.1, 0.05)
@@ -51,6 +54,10 @@ class Step:
     work_bsp: float = 0.0
     work_osp: float = 0.0
     notes: Dict[str, float] = field(default_factory=dict)  # where the figures came from (reported, not used)
+    #: the figures as measured while OSP defers, where they differ (ranks sharing a host's CPUs with the
+    #: collectives: stage 2 in flight during the next compute slows both it and the link's achieved rate);
+    #: ``None``: as BSP measured them. OSP's predictions take theirs from it.
+    deferring: Optional["Step"] = None
 
     @property
     def total(self) -> float:
@@ -98,6 +105,7 @@ def step_osp(st: Step, share: float, min_critical: float = 0.0) -> float:
     """The critical share during backward, behind the previous step's stage 2 on the link."""
     if share >= 1.0:
         return step_bsp(st)
+    st = st.deferring or st
     q = quotas(st.nbytes, st.ready, share, min_critical)
     deferred = st.total - sum(q)
     start_free = st.link(deferred) - st.work_osp if deferred > 0 else 0.0

@@ -276,6 +276,7 @@ class OSPMode(Mode):
         # (after the corrections, so the ranks stay equal), as the correction overwrites such a change
         edited = self._probe.edited(self._deferred_masks())
         wait_s = self._wait_deferred()  # the last stage 2 landed before the side channel starts
+        self.meter.waited(wait_s)  # the network's time, not step()'s own work (auto's model has it on the link)
         self._launch_stage1(s1)
         if s1.scaled:  # packed in backward from the gradients as backward left them
             ctx.scale_grads(inp.unscale, deferreds)

@@ -19,7 +19,7 @@ test: install
 	@$(MAKE) --no-print-directory test-only
 
 test-only:
-	$(PY) -m pytest -q -rs $(PYTEST_ARGS)
+	$(PY) -m pytest -q -rs --durations=25 $(PYTEST_ARGS)
 
 # The suite as a user without Horovod runs it (tests/nohorovod: every process finds no Horovod): osp, osp.horovod
 # and everything but the Horovod engine must pass; the engine's tests skip, saying so (about 13 minutes).

@@ -290,7 +290,7 @@ MUTANTS: List[Mutant] = [
       T(auto="auto_ or own_figures"),
       "BSP is predicted from the compute measured while deferring (on a shared host, a longer one)"),
     M("policy-bsp-not-remeasured", "policy.py",
-      "        if side and now[0] / ref[0] > now[1] / ref[1]:", "        if False:",
+      "        if side and ratio[0] > ratio[1]:", "        if False:",
       T(auto="auto_"),
       "deferring when the link becomes faster, auto never measures BSP again and stays on OSP"),
     M("policy-count-floor", "policy.py",

@@ -324,7 +324,8 @@ class Budget:
         can only have improved), BSP is measured again: the model cannot see BSP's figures from OSP's."""
         now = (st.notes["rate"], st.notes["compute"])
         ref = self._ref.setdefault(self.fraction, now)
-        moved = max(abs(math.log(max(a, 1e-12) / max(b, 1e-12))) for a, b in zip(now, ref))
+        ratio = [max(a, 1e-12) / max(b, 1e-12) for a, b in zip(now, ref)]  # (rate, compute), now over then
+        moved = max(abs(math.log(r)) for r in ratio)
         if moved <= math.log1p(self.SHIFT):
             return False
         side, share = self.fraction < 1.0, self.fraction
@@ -334,7 +335,7 @@ class Budget:
         why = (f"rate {now[0] / 1e6:.0f} MB/s (was {ref[0] / 1e6:.0f}), compute {1e3 * now[1]:.1f} ms (was "
                f"{1e3 * ref[1]:.1f}) at {share:g}: what was measured under the old link or compute is forgotten")
         self._log("shift", share, st, None, why)
-        if side and now[0] / ref[0] > now[1] / ref[1]:
+        if side and ratio[0] > ratio[1]:
             self._change(1.0, st, None, "measure BSP again: the link became faster against the compute")
             self._trial = (share, 1.0)
         return True

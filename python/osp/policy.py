@@ -158,8 +158,9 @@ class Budget:
 
     ``auto`` runs BSP's code for ``warmup`` steps while ``Meter`` measures, then decides every step by
     ``osp.stepmodel.decide`` (the model ``osp.plan`` predicts with) fed with the medians of the last ``WINDOW``
-    steps' agreed figures (compute, ready times, the link's rate, each share's own work), once the share it
-    runs has ``MEASURED`` counted steps:
+    steps' agreed figures of each side, BSP's and the deferring shares' (compute, ready times, the link's rate,
+    own work: ``Step.deferring`` holds the deferring side's; a side not yet measured takes the other's), once
+    the share it runs has ``MEASURED`` counted steps:
 
     - **hysteresis**: it leaves its share only for a predicted gain above the noise: the measured steps' (twice
       their spread over the square root of their count), and the model's own error at the share it runs (its
@@ -168,10 +169,11 @@ class Budget:
       counted: it waits for no stage 2 of its own, or for the last one's flush); where its median iteration is
       no shorter than the share it left, it goes back, and every share on that side of the old one is vetoed
       (the model was wrong there: one trial, not one a share);
-    - **following**: when the link's rate or the compute moves by more than ``SHIFT`` while one share runs
-      (measured against that share's own figures, once its window holds only its steps: on ranks that share a
-      host's CPUs a share changes both), the measured iterations and vetoes are forgotten, and the model
-      decides from the new figures (the medians have moved within ``WINDOW`` steps).
+    - **following**: when the link's rate or the compute moves by more than ``SHIFT`` against the figures the
+      running share had when it was last measured (once its window holds only its steps: on ranks that share a
+      host's CPUs a share changes both), the measured iterations, the vetoes and the other side's rate are
+      forgotten, and the model decides from the new figures; deferring, where the link became faster against
+      the compute, BSP is measured again as a checked trial (``_follow``).
 
     With ``warmup=2`` the first decision comes by the fourth step (two counted BSP steps: a step's iteration
     arrives with the next, and the first step's is not counted).

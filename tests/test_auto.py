@@ -137,6 +137,8 @@ def test_auto_goes_back_where_the_model_was_wrong_and_does_not_try_again():
     assert len(changes) == 2 and ran[-1] == 1.0, ran  # one trial, one return
     assert changes[1] - changes[0] <= Budget.VERIFY + 2
     assert b.decisions[-1]["why"].startswith("back:") and b.stats()["vetoed"]
+    t = b.decisions[-1]["trial"]  # the verdict, with the medians it compared
+    assert t["old"] == 1.0 and t["new"] < 1.0 and not t["kept"] and t["new_s"] >= t["old_s"], b.decisions
 
 
 def test_auto_keeps_a_share_the_measurements_confirm():
@@ -144,6 +146,12 @@ def test_auto_keeps_a_share_the_measurements_confirm():
     b = Budget("auto", 0.05, warmup=2)
     ran = Job(rate=lambda t: 1e8, truth=lambda s: 1.0 if s >= 1 else 1.1).run(b, 60)
     assert ran[-1] < 1.0 and len(set(ran[10:])) == 1, ran
+    # the verdict is logged with the medians it compared, and osp.train's summary line says so
+    kept = [d for d in b.decisions if d["kind"] == "kept"]
+    assert len(kept) == 1 and kept[0]["trial"]["kept"] and kept[0]["to"] == ran[-1], b.decisions
+    assert kept[0]["trial"]["new_s"] < kept[0]["trial"]["old_s"] and kept[0]["trial"]["old"] == 1.0, kept
+    from osp.train import auto_words
+    assert f"; then kept: {ran[-1]:g} measured" in auto_words(b.stats(), 10 * MB), auto_words(b.stats(), 10 * MB)
 
 
 def test_auto_follows_a_link_that_changes_within_ten_steps_each_way():

@@ -168,7 +168,8 @@ class Budget:
     - **checked**: a new share runs ``VERIFY`` counted steps (a share's first step after a change is not
       counted: it waits for no stage 2 of its own, or for the last one's flush); where its median iteration is
       no shorter than the share it left, it goes back, and every share on that side of the old one is vetoed
-      (the model was wrong there: one trial, not one a share);
+      (the model was wrong there: one trial, not one a share). Every verdict is logged with the two medians it
+      compared (``decisions[i]["trial"]``: kind "kept" where the new share stays, the "back: ..." change where not);
     - **following**: when the link's rate or the compute moves by more than ``SHIFT`` against the figures the
       running share had when it was last measured (once its window holds only its steps: on ranks that share a
       host's CPUs a share changes both), the measured iterations, the vetoes and the other side's rate are
@@ -351,20 +352,28 @@ class Budget:
         if not theirs:  # the share it left was never measured (the first decision came first): nothing to
             return  # compare with; the model's choice stands
         a, b = statistics.median(mine[-self.VERIFY:]), statistics.median(theirs[-self.VERIFY:])
-        if a >= b:  # no faster than the share it left: back, and the model is not trusted there nor beyond
-            why = f"measured {1e3 * a:.1f} ms a step against {1e3 * b:.1f} ms at {old:g}"
-            for s in stepmodel.shares(self.min_critical):  # every share on that side of the old one
-                if s < old if new < old else s > old:
-                    self._vetoed[s] = why
-            self._change(old, st, None, f"back: {new:g} {why}")
+        why = f"measured {1e3 * a:.1f} ms a step against {1e3 * b:.1f} ms at {old:g}"
+        trial = {"old": old, "new": new, "new_s": a, "old_s": b, "kept": a < b}
+        if trial["kept"]:
+            self._log("kept", new, st, None, f"kept: {new:g} {why}", trial)
+            return
+        # no faster than the share it left: back, and the model is not trusted there nor beyond
+        for s in stepmodel.shares(self.min_critical):  # every share on that side of the old one
+            if s < old if new < old else s > old:
+                self._vetoed[s] = why
+        self._change(old, st, None, f"back: {new:g} {why}", trial)
 
-    def _change(self, share: float, st, pred, why: str) -> None:
-        self._log("change", share, st, pred, why)
+    def _change(self, share: float, st, pred, why: str, trial: Optional[dict] = None) -> None:
+        self._log("change", share, st, pred, why, trial)
         self.fraction, self._first, self._held = share, True, 0
 
-    def _log(self, kind, share, st, pred, why) -> None:
+    def _log(self, kind, share, st, pred, why, trial: Optional[dict] = None) -> None:
+        """One entry of ``decisions``: ``kind`` "change" (the share moves: a decision, a trial's return, a shift's
+        new measurement of BSP), "kept" (a trial's share stays) or "shift"; a trial's verdict ("back: ..." or
+        "kept: ...") carries ``trial``: the two medians it compared and whether the new share stayed."""
         iters = {s: self._med(v) for s, v in self._iters.items()}
         self.decisions.append({"step": self.steps, "kind": kind, "from": self.fraction, "to": share, "why": why,
+                               "trial": trial,
                                "rate_Bps": st.notes["rate"], "compute_s": st.notes["compute"],
                                "rate_bsp_Bps": st.notes["rate_bsp"], "rate_osp_Bps": st.notes["rate_osp"],
                                "compute_bsp_s": st.compute, "compute_osp_s": st.notes["compute_osp"],

@@ -802,6 +802,9 @@ def auto_words(b: dict, nbytes: int, size: int = 2) -> str:
     pred = last.get("predicted_s") or {}
     told = "; predicted " + ", ".join(f"{1e3 * v:.0f} ms at {k}" for k, v in sorted(
         pred.items(), key=lambda kv: -float(kv[0]))) if pred else ""
+    kept = next((d for d in reversed(b.get("decisions", [])) if d["kind"] == "kept"), None)
+    if kept is not None and kept["step"] >= last["step"]:  # the trial that followed the last change: confirmed
+        told += f"; then {kept['why']}"
     return (f"OSP auto: critical share {what}, since step {last['step']} ({len(changes)} change(s) in all; the last: "
             f"{last['why']}{told}){why}")
 

@@ -94,3 +94,25 @@ def test_no_cycle_through_imports_inside_functions_either():
 def test_the_check_finds_a_cycle():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_tool_is_loaded_by_import_osp():
+    """A module run as ``python -m osp.X`` (one with a ``__main__`` block: osp.plan, osp.profile, osp.train, ...)
+    is not among what ``import osp`` loads: runpy would find it in sys.modules before running it and warn
+    ("'osp.plan' found in sys.modules after import of package 'osp'") on every call. A layer below the tools
+    takes what it needs from a module below them (osp.linkemu's rate parser is osp.units', not osp.plan's)."""
+    graph = _graph()
+    loaded, todo = set(), ["osp"]
+    while todo:
+        m = todo.pop()
+        if m not in loaded:
+            loaded.add(m)
+            todo += sorted(graph[m])
+    tools = {m for m in graph if m != "osp" and "__main__" in open(_path(m)).read()}
+    assert {"osp.plan", "osp.profile", "osp.train"} <= tools, tools
+    assert not loaded & tools, f"import osp loads the tools {sorted(loaded & tools)}"
+
+
+def _path(module: str) -> str:
+    base = os.path.join(ROOT, *module.split("."))
+    return os.path.join(base, "__init__.py") if os.path.isdir(base) else base + ".py"

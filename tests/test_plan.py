@@ -187,9 +187,33 @@ def test_the_command_lines(tmp_path):
     rows = json.loads(got.stdout)
     assert {"bsp", "osp-auto", "osp-0.25", "dsync-2", "hsp"} <= {r["mode"] for r in rows}
     assert all(set(r) >= {"mode", "steps_per_s", "bound_share"} for r in rows)
-    text = subprocess.run([sys.executable, "-m", "osp.plan", str(out), "--ranks", "8", "--link", "10gbit",
-                           "--max-noise", "1000"], check=True, env=env, capture_output=True, text=True).stdout
-    assert "recommended: " in text
+    assert "RuntimeWarning" not in got.stderr and "sys.modules" not in got.stderr, got.stderr  # runpy's
+    # --latency takes its unit, a bare number being microseconds
+    for spelled in ("5us", "0.005ms", "5"):
+        same = subprocess.run([sys.executable, "-m", "osp.plan", str(out), "--ranks", "8", "--link", "10gbit",
+                               "--latency", spelled, "--json", "--max-noise", "1000"], env=env, capture_output=True,
+                              text=True)
+        assert same.returncode == 0, (spelled, same.stderr)
+        speeds = {r["mode"]: r["steps_per_s"] for r in json.loads(same.stdout)}
+        assert speeds == pytest.approx({r["mode"]: r["steps_per_s"] for r in rows}, rel=1e-9), spelled
+    slower = subprocess.run([sys.executable, "-m", "osp.plan", str(out), "--ranks", "8", "--link", "10gbit",
+                             "--latency", "5ms", "--json", "--max-noise", "1000"], env=env, capture_output=True,
+                            text=True, check=True)
+    bsp = [next(r["steps_per_s"] for r in rs if r["mode"] == "bsp") for rs in (rows, json.loads(slower.stdout))]
+    assert bsp[1] < bsp[0] / 2, bsp  # 14 hops of 5 ms: a step of at least 70 ms
+    bad = subprocess.run([sys.executable, "-m", "osp.plan", str(out), "--ranks", "8", "--link", "10gbit",
+                          "--latency", "5 parsecs"], env=env, capture_output=True, text=True)
+    assert bad.returncode == 2 and "(us, ms, s; a bare number is microseconds)" in bad.stderr, bad.stderr
+    shown = subprocess.run([sys.executable, "-m", "osp.plan", str(out), "--ranks", "8", "--link", "1gbit",
+                            "--max-noise", "1000"], check=True, env=env, capture_output=True, text=True)
+    text = shown.stdout
+    assert "recommended: " in text and not shown.stderr, shown.stderr
+    # the table is ranked as its header says: by steps/s, fastest first
+    lines = text.split("\n")
+    head = next(i for i, ln in enumerate(lines) if "(ranked by steps/s)" in ln)
+    table = [ln.split() for ln in lines[head + 1:head + 1 + len(rows)]]
+    speeds = [float(t[1]) for t in table]
+    assert sorted(t[0] for t in table) == sorted(r["mode"] for r in rows) and speeds == sorted(speeds, reverse=True)
     for flag, rate, what in (("--link", "fast", "as tc writes it"), ("--link", "1Gbps", "gigaBYTE"),
                              ("--host", "1GB/s", "gigaBYTE")):
         bad = subprocess.run([sys.executable, "-m", "osp.plan", str(out), "--ranks", "8", "--link", "10gbit",

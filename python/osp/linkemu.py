@@ -27,32 +27,19 @@ their figures are in docs/benchmarks.md.
 from __future__ import annotations
 
 import heapq
-import re
 import threading
 import time
 from typing import Optional
 
-from .plan import parse_bandwidth
+from .units import parse_bandwidth, parse_latency
 
 __all__ = ["Link", "parse_rate", "parse_latency", "parse_link", "install", "uninstall", "current", "reserve",
            "passed", "hold", "remaining", "ddp_hook", "emulate_horovod_optimizer"]
 
-_LATENCY_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
-
-
 def parse_rate(text: str) -> float:
-    """A rate in bits per second, spelled in bits as tc writes it (``1gbit``, ``100mbit``): ``osp.plan``'s
+    """A rate in bits per second, spelled in bits as tc writes it (``1gbit``, ``100mbit``): ``osp.units``'
     ``parse_bandwidth``, the one parser of link rates (byte and ``bps`` spellings refused, not guessed)."""
     return parse_bandwidth(text)
-
-
-def parse_latency(text: str) -> float:
-    """A latency in seconds: ``200us``, ``0.5ms``, ``1ms``, ``0`` (a bare number is microseconds)."""
-    t = str(text).strip().lower().replace(" ", "")
-    m = re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)([a-z]*)", t)
-    if m and (m.group(2) in _LATENCY_UNITS or m.group(2) == ""):
-        return float(m.group(1)) * _LATENCY_UNITS.get(m.group(2), 1e-6)
-    raise ValueError(f"latency must be a number >= 0 with a unit (us, ms, s), e.g. 200us, got {text!r}")
 
 
 def parse_link(text: str) -> "Link":

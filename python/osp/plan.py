@@ -65,12 +65,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import statistics
 import sys
 from typing import Dict, List, Optional, Sequence
 
 from . import stepmodel
+from .units import parse_bandwidth, parse_latency  # noqa: F401  (osp.plan.parse_bandwidth: its API)
 
 AUTO_MIN_CRITICAL = 0.05  # osp.OSP(critical="auto")'s default floor (docs/design.md, The budget)
 # TCP over Ethernet at MTU 1500: 1448 bytes of payload (1500 less IPv4's 20 and TCP's 32 with timestamps) in a
@@ -80,34 +80,6 @@ NOISY = 0.10     # a profile's noise above this: the host was busy (osp.profile 
 EXTREME = 0.50   # a profile noisier than this is refused: nothing in it can be ranked
 MIN_GAIN = 0.05  # the least predicted gain worth leaving a simpler mode for
 MODE_NAMES = ("plain", "bsp", "osp", "dsync", "hsp")
-
-# tc's rate units (tc(8), RATES): "bit" and a bare number are bits per second, "bps" is BYTES per second; IEC
-# prefixes (kibit) are powers of 1024
-_PREFIX = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2.0**10, "mi": 2.0**20, "gi": 2.0**30,
-           "ti": 2.0**40}
-_RATE = re.compile(r"([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*(?:(k|m|g|t|ki|mi|gi|ti)?bits?(?:/s|ps)?)?")
-_BYTES = re.compile(r"[0-9.e+-]+\s*(?:k|m|g|t|ki|mi|gi|ti)?(?:i?bps|b/s|bytes?(?:/s)?|b)")
-
-
-def parse_bandwidth(text: str) -> float:
-    """Bits per second of a link rate spelled in bits: ``1gbit``, ``400mbit``, ``25Gbit/s``, ``10kbit``, ``1gibit``
-    (2^30), or a bare number of bits per second (tc's units, tc(8)). Byte spellings (``1GB/s``, ``125MBps``) and
-    ``...bps`` (``1Gbps``: gigaBYTES per second to tc, gigabits to network marketing) are refused, not guessed."""
-    raw = str(text)
-    low = raw.strip().lower()
-    m = _RATE.fullmatch(low)
-    if not m:
-        if _BYTES.fullmatch(low.replace(" ", "")):
-            raise ValueError(f"got {raw!r}: write a link rate in bits per second with 'bit', as tc writes it "
-                             "(1gbit, 400mbit, 25Gbit/s). 'bps', 'b/s' and 'B/s' are refused, not guessed: tc reads "
-                             "'1gbps' as 1 gigaBYTE per second (8 Gbit/s), network specifications as 1 gigabit")
-        raise ValueError(f"a link rate is a number of bits per second as tc writes it (1gbit, 400mbit, "
-                         f"25Gbit/s, 10kbit), got {raw!r}")
-    value = float(m.group(1)) * _PREFIX[m.group(2) or ""]
-    if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"a link rate must be positive, got {raw!r}")
-    return value
-
 
 class Cluster:
     """Ranks, links and latency (seconds) the plan predicts for."""
@@ -431,8 +403,9 @@ def notes(rows: List[Dict]) -> List[str]:
                 f"{MIN_GAIN:.0%} only; take it again to know how much its times vary"]
     if noise > NOISY:
         return [f"note: the profile is noisy (its iterations varied by {noise:.0%}): modes whose predictions overlap "
-                f"with every time ±{noise:.0%} are ties, and a profile taken again may rank the modes otherwise; a "
-                f"quiet host narrows it"]
+                f"with every measured time ±{noise:.0%} are ties (the link's times are the cluster's: the noise does "
+                f"not move them, so a lead where the link decides can stand), and a profile taken again may rank the "
+                f"modes otherwise; a quiet host narrows it"]
     return []
 
 
@@ -443,7 +416,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ranks", type=int, required=True)
     ap.add_argument("--link", required=True, help="each rank's (with --nodes: each node's) link in bits per second "
                     "as tc writes it: 1gbit, 400mbit, 25Gbit/s ('bps' and 'B/s' are refused); none: no link limit")
-    ap.add_argument("--latency", type=float, default=0.0, help="microseconds per hop of the ring")
+    ap.add_argument("--latency", default="0", help="per hop of the ring, with its unit: 50us, 0.2ms (a bare number "
+                    "is microseconds)")
     ap.add_argument("--nodes", type=int, default=None)
     ap.add_argument("--intra", default=None, help="the bandwidth inside a node (with --nodes), in bits as --link")
     ap.add_argument("--straggler", type=float, default=1.0, help="the slowest rank's compute over the others', as "
@@ -462,7 +436,7 @@ def main(argv=None) -> int:
         with open(a.profile) as fh:
             profile = json.load(fh)
         link = None if a.link == "none" else parse_bandwidth(a.link)
-        cluster = Cluster(a.ranks, link, a.latency * 1e-6,
+        cluster = Cluster(a.ranks, link, parse_latency(a.latency),
                           a.nodes, parse_bandwidth(a.intra) if a.intra else None, a.straggler,
                           parse_bandwidth(a.host) if a.host else None, a.efficiency)
         rows = plan(profile, cluster, max_noise=a.max_noise)
@@ -480,7 +454,7 @@ def main(argv=None) -> int:
           + (f", {a.nodes} nodes, intra {a.intra}" if a.nodes else "")
           + (f", straggler {a.straggler:g}x" if a.straggler != 1 else ""))
     print(f"{'mode':10s} {'steps/s':>8s} {'samples/s':>10s} {'bound share':>12s}   (ranked by steps/s)")
-    for r in rows:
+    for r in sorted(rows, key=lambda r: -r["steps_per_s"]):  # stable: a tie keeps plan()'s order
         extra = f"  (critical {r['critical']:.2f})" if "critical" in r else ""
         if r["micro_batches"] != rows[0]["micro_batches"]:
             extra += f"  ({r['micro_batches']:g} micro-batches a step)"

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from osp.plan import EXTREME, Cluster, plan
-from osp.profile import MODELS, NoisyProfileWarning, profile
+from osp.profile import MODELS, MODES, NoisyProfileWarning, profile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -49,13 +49,16 @@ def test_the_profile_holds_the_spread_of_every_time(tmp_path):
 
 
 def test_a_noisy_host_warns_and_the_plan_refuses_an_extreme_profile():
-    """Every other forward stalls 20 ms (a host busy half the time): the iterations vary by far more than half."""
+    """A slow spell over the first repetition: every forward of its modes stalls 20 ms (the host was busy then),
+    none of the second's. The iterations vary by far more than half, whatever the profile averages: a value
+    spans at least ``MIN_SAMPLE_S`` of consecutive iterations, and a spell that long is the host's."""
     model, loss_fn, batch = tiny()
-    calls = [0]
+    seen = []  # every repetition of every mode runs on a copy of the model of its own
 
     def stalling(m, b):
-        calls[0] += 1
-        if calls[0] % 2:
+        if not any(m is x for x in seen):
+            seen.append(m)
+        if next(i for i, x in enumerate(seen) if m is x) < len(MODES):
             time.sleep(0.02)
         return loss_fn(m, b)
 
@@ -65,6 +68,33 @@ def test_a_noisy_host_warns_and_the_plan_refuses_an_extreme_profile():
     assert p["noise"] > EXTREME
     with pytest.raises(ValueError, match="too noisy to plan from"):
         plan(p, Cluster(2, 1e9))
+
+
+@QUIET
+def test_a_short_iteration_is_timed_as_the_mean_of_enough_of_them():
+    """A model of a fraction of a millisecond: each timed value is the mean of consecutive iterations spanning
+    ``MIN_SAMPLE_S`` (at most ``MAX_PER``: its own scheduling jitter is not the host's noise), and there are ``steps`` of them; after a
+    warm-up of ``MIN_WARMUP_S`` at least, whose last iteration sets how many."""
+    from osp.profile import MAX_PER, MAX_WARMUP, MIN_SAMPLE_S, MIN_WARMUP_S, _time_mode
+    model, loss_fn, batch = tiny(batch=2)
+    calls = [0]
+
+    def counted(m, b):
+        calls[0] += 1
+        return loss_fn(m, b)
+
+    t0 = time.perf_counter()
+    out = _time_mode("plain", model, counted, batch, None, steps=3, warmup=1, bucket_mb=25.0)
+    took = time.perf_counter() - t0
+    assert len(out["forward_s"]) == len(out["backward_s"]) == len(out["step_s"]) == 3, out
+    warm = calls[0] - 3 * out["per"]
+    assert out["per"] > 1 and warm > 1, (out["per"], calls)  # the warm-up ran on past its one iteration
+    assert warm == MAX_WARMUP or took >= MIN_WARMUP_S, (warm, took)  # for MIN_WARMUP_S, or MAX_WARMUP of them
+    # a value of ``per`` iterations spans MIN_SAMPLE_S about (the last warm-up iteration's length sets ``per``)
+    iteration = sum(out[k][0] for k in ("forward_s", "backward_s", "step_s"))
+    assert out["per"] == MAX_PER or out["per"] * iteration > MIN_SAMPLE_S / 4, (out["per"], iteration)
+    one = _time_mode("plain", model, loss_fn, batch, None, steps=2, warmup=0, bucket_mb=25.0)
+    assert one["per"] == 1 and len(one["forward_s"]) == 2  # no warm-up: nothing to size it by, one a value
 
 
 def test_the_spread_is_the_larger_of_the_iqr_and_the_repetitions_range():
@@ -95,6 +125,34 @@ def test_an_unknown_model_names_the_choices_once(tmp_path):
                               "p.json"], cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
         assert got.returncode == 2 and what in got.stderr, got.stderr
         assert got.stderr.count("osp.profile:") == 1, got.stderr
+
+
+def returns_a_module(batch):
+    return torch.nn.Linear(2, 2)
+
+
+def returns_two(batch):
+    return torch.nn.Linear(2, 2), None
+
+
+def raises(batch):
+    return {}["no such key"]  # the user's bug, on this line
+
+
+def test_a_factory_that_raises_or_returns_the_wrong_thing_is_named(tmp_path, capsys):
+    """Not 'cannot unpack non-iterable Linear object': what the factory returned, against what was expected; and
+    what it raised keeps its type and the line that raised it."""
+    from osp.profile import main
+    line = raises.__code__.co_firstlineno + 1
+    for attr, what in (("returns_a_module", "expected the factory to return (model, loss_fn, batch)"),
+                       ("returns_a_module", "got Linear"),
+                       ("returns_two", "got a tuple of 2"),
+                       ("raises", f"the factory raised KeyError: 'no such key' (at {__file__}:{line}, in raises)"),
+                       ("HERE", "expected a callable factory(batch_size)")):
+        assert main(["--model", f"{__name__}:{attr}", "--batch", "2", "--out", str(tmp_path / "p.json")]) == 2
+        err = capsys.readouterr().err
+        assert what in err and err.count("osp.profile:") == 1, (attr, err)
+    assert not (tmp_path / "p.json").exists()
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))

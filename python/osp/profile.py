@@ -15,13 +15,16 @@ function) returns the profile as a dict and writes it as JSON with ``out=``. The
 not touched: every measurement runs on a copy of the model, wrapped afresh per mode in
 ``osp.DistributedOptimizer`` on a one-rank process group (made here, and destroyed, when none exists).
 
-Measured: ``repeats`` repetitions, each running every mode afresh (``plain``: the wrapped optimizer alone,
-``bsp``, ``osp`` at ``critical=0.25``, ``dsync`` at ``delay=2``, ``hsp``; each repetition starts at the next
-mode, so a slow spell of the host does not fall on one mode only) for ``warmup`` untimed and ``steps`` timed
-iterations. Per mode, the median over every timed iteration of ``forward_s``, ``backward_s`` (the mode's hooks
-included), ``step_s`` and their sum ``iteration_s``; per bucket of osp's layout (``bucket_mb``) its ``bytes``
-and ``ready_s``, the moment its last gradient lands from the start of backward (under BSP's hooks);
-``first_ready_s``, when the first gradient lands (``auto``'s backward window runs from it to the last).
+Measured: ``repeats`` repetitions, each running every mode afresh (``plain``: the wrapped optimizer alone, ``bsp``,
+``osp`` at ``critical=0.25``, ``dsync`` at ``delay=2``, ``hsp``; each repetition starts at the next mode, so a slow
+spell of the host does not fall on one mode only) for ``warmup`` untimed (and ``MIN_WARMUP_S``, 0.2 s, at least) and
+``steps`` timed iterations; where an iteration is shorter than ``MIN_SAMPLE_S`` (50 ms, from the last warm-up one)
+each timed value is the mean of that many consecutive iterations (``averaged``: how many, per mode), so a small
+model's spread is the host's, not its own iterations' scheduling jitter. Per mode, the median over every timed value
+of ``forward_s``, ``backward_s`` (the mode's hooks included), ``step_s`` and their sum ``iteration_s``; per bucket
+of osp's layout (``bucket_mb``) its ``bytes`` and ``ready_s``, the moment its last gradient lands from the start of
+backward (under BSP's hooks); ``first_ready_s``, when the first gradient lands (``auto``'s backward window runs from
+it to the last).
 
 The spread of each (``spread`` per mode and per bucket): the larger of the timed iterations' interquartile range
 and the range of the repetitions' medians, over the median; relative, so 0.1 reads "10%". The profile's
@@ -38,9 +41,11 @@ import copy
 import datetime
 import importlib
 import json
+import math
 import statistics
 import sys
 import time
+import traceback
 import types
 import warnings
 from typing import Callable, Dict, List, Optional
@@ -51,6 +56,12 @@ from osp.plan import EXTREME, NOISY
 
 MODE_OPTIONS = {"bsp": "BSP()", "osp": "OSP(critical=0.25)", "dsync": "DSync(delay=2)", "hsp": "HSP()"}
 MODES = ("plain", "bsp", "osp", "dsync", "hsp")
+# a timed value spans at least this long: a short iteration's own jitter (the scheduler's, the allocator's: a few
+# hundred microseconds) is not the host's noise; below it a value is the mean of consecutive iterations
+MIN_SAMPLE_S = 0.05
+MAX_PER = 50  # iterations a value averages at most
+MIN_WARMUP_S = 0.2  # a mode's warm-up lasts this long at least (with warmup > 0), up to MAX_WARMUP iterations
+MAX_WARMUP = 100
 VERSION = 2  # 2: repetitions, the spread of every time and the profile's noise
 
 
@@ -110,7 +121,8 @@ def _time_mode(mode: str, model, loss_fn, batch, optimizer, steps: int, warmup: 
         for p in net.parameters():
             p.register_post_accumulate_grad_hook(lambda p: landed.__setitem__(p, time.perf_counter()))
     out = {"forward_s": [], "backward_s": [], "step_s": [], "ready_s": [], "first_ready_s": []}
-    for i in range(warmup + steps):
+
+    def iteration():
         opt.zero_grad()
         landed.clear()
         t0 = time.perf_counter()
@@ -122,18 +134,32 @@ def _time_mode(mode: str, model, loss_fn, batch, optimizer, steps: int, warmup: 
             opt.step(lambda: loss_fn(net, batch).backward())
         else:
             opt.step()
-        t3 = time.perf_counter()
-        if i >= warmup:
-            out["forward_s"].append(t1 - t0)
-            out["backward_s"].append(t2 - t1)
-            out["step_s"].append(t3 - t2)
-            if buckets:  # every gradient lands before backward returns: each ready time is within its backward
-                out["ready_s"].append([max(landed.get(p, t1) for p in b["params"]) - t1 for b in buckets])
-                out["first_ready_s"].append(min(landed.values(), default=t1) - t1)
+        return t0, t1, t2, time.perf_counter()
+
+    # warm-up: ``warmup`` iterations, and with any, MIN_WARMUP_S at least (a mode's first iterations pay for its
+    # first use: allocations, the kernels' first calls; counted, they made a small model's first repetition the
+    # profile's noise)
+    began, warm, last = time.perf_counter(), 0, None
+    while warm < warmup or (warmup and warm < MAX_WARMUP and time.perf_counter() - began < MIN_WARMUP_S):
+        t0, _, _, t3 = iteration()
+        warm, last = warm + 1, t3 - t0
+    per = 1 if last is None else max(1, min(MAX_PER, math.ceil(MIN_SAMPLE_S / max(last, 1e-9))))
+    for _ in range(steps * per):
+        t0, t1, t2, t3 = iteration()
+        out["forward_s"].append(t1 - t0)
+        out["backward_s"].append(t2 - t1)
+        out["step_s"].append(t3 - t2)
+        if buckets:  # every gradient lands before backward returns: each ready time is within its backward
+            out["ready_s"].append([max(landed.get(p, t1) for p in b["params"]) - t1 for b in buckets])
+            out["first_ready_s"].append(min(landed.values(), default=t1) - t1)
     if mode != "plain":
         opt.flush()
+    if per > 1:  # each timed value: the mean of ``per`` consecutive iterations
+        for k, v in out.items():
+            out[k] = [(sum(v[j:j + per]) / per if not isinstance(v[j], list) else
+                       [sum(x) / per for x in zip(*v[j:j + per])]) for j in range(0, len(v), per)]
+    out["per"] = per
     out["bytes"] = [b["bytes"] for b in buckets]
-    del opt
     return out
 
 
@@ -198,6 +224,7 @@ def profile(model: torch.nn.Module, loss_fn: Callable, batch, optimizer: Optiona
               "params": sum(p.numel() for p in params), "bytes": sum(b["bytes"] for b in buckets),
               "device": str(params[0].device), "torch": torch.__version__, "threads": torch.get_num_threads(),
               "repeats": repeats, "steps": steps, "warmup": warmup, "noise": noise, "noisiest": noisiest,
+              "averaged": {m: max(r["per"] for r in reps) for m, reps in runs.items()},
               "bucket_mb": bucket_mb, "buckets": buckets,
               "first_ready_s": _summary([r["first_ready_s"] for r in bsp])[0], "modes": modes,
               "mode_options": {"plain": type(optimizer).__name__ if optimizer else "SGD(lr=0.01, momentum=0.9)",
@@ -262,6 +289,29 @@ MODELS = {"mlp": _mlp,
           "digits-cnn": _digits(lambda train: train.DigitsCNN(channels=64))}
 
 
+def _made(spec: str, factory, batch: int):
+    """``factory(batch)``, checked to be ``(model, loss_fn, batch)``: what it raised, with its type and the line
+    that raised it, or what it returned instead, named."""
+    if not callable(factory):
+        raise TypeError(f"--model {spec!r}: expected a callable factory(batch_size) -> (model, loss_fn, batch), "
+                        f"got {type(factory).__name__} {factory!r}")
+    try:
+        got = factory(batch)
+    except Exception as e:
+        tb = traceback.extract_tb(e.__traceback__)[-1]
+        raise ValueError(f"--model {spec!r}: the factory raised {type(e).__name__}: {e} (at {tb.filename}:"
+                         f"{tb.lineno}, in {tb.name})") from e
+    shape = "expected the factory to return (model, loss_fn, batch), with model a torch.nn.Module and " \
+            "loss_fn(model, batch) -> loss"
+    if not isinstance(got, (tuple, list)) or len(got) != 3:
+        what = f"a {type(got).__name__} of {len(got)}" if isinstance(got, (tuple, list)) else type(got).__name__
+        raise TypeError(f"--model {spec!r}: {shape}; got {what}")
+    model, loss_fn, _ = got
+    if not isinstance(model, torch.nn.Module) or not callable(loss_fn):
+        raise TypeError(f"--model {spec!r}: {shape}; got ({type(model).__name__}, {type(loss_fn).__name__}, ...)")
+    return tuple(got)
+
+
 def _load_model(spec: str, batch: int):
     """``(model, loss_fn, batch)`` for ``--model``: one of ``MODELS``, ``pkg.module:factory``, or a bench model
     where ``bench/`` is importable."""
@@ -271,7 +321,7 @@ def _load_model(spec: str, batch: int):
             factory = getattr(importlib.import_module(mod), attr)
         except (ImportError, AttributeError) as e:
             raise ValueError(f"--model {spec!r}: cannot load {attr!r} from {mod!r} ({e})") from None
-        return factory(batch)
+        return _made(spec, factory, batch)
     if spec in MODELS:
         return MODELS[spec](batch)
     try:  # the checkout's other bench models, when its root is on sys.path (python -m puts the cwd there)

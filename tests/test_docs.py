@@ -697,6 +697,60 @@ def test_commands_parse(path, command_results):
     assert not problems, f"{len(problems)} command line(s) that do not run as shown:\n" + "\n".join(problems)
 
 
+def test_every_flag_and_choice_of_osp_train_is_in_its_table():
+    """docs/api.md's table of ``osp.train`` names every option of its parser, and every choice of each option
+    with ``choices`` in that option's row (``--sync fsdp`` ran undocumented)."""
+    sys.path.insert(0, str(ROOT / "python"))
+    from osp.train import build_parser
+    text = (ROOT / "docs" / "api.md").read_text()
+    rows = [ln for ln in text.split("\n") if ln.startswith("| `--")]
+    problems = []
+    for action in build_parser()._actions:
+        flags = [f for f in action.option_strings if f.startswith("--") and f != "--help"]
+        if not flags:
+            continue
+        row = next((r for r in rows if any(re.search(rf"`{re.escape(f)}[` ]", r.split("|")[1]) for f in flags)),
+                   None)
+        if row is None:
+            problems.append(f"{flags[0]}: no row in docs/api.md's table")
+            continue
+        problems += [f"{flags[0]} {c}: not in its row" for c in action.choices or ()
+                     if f"`{c}`" not in row and not any(f"`{f} {c}`" in row for f in flags)]
+    assert not problems, "\n".join(problems)
+
+
+VENV_PROGRAMS = ("python", "python3", "torchrun", "horovodrun")  # what `make install` puts in .venv/bin alone
+
+
+def bare_venv_programs(doc: Doc) -> List[str]:
+    """The README's command blocks, as a newcomer runs them from a fresh shell (no venv activated): a program
+    that only ``make install``'s venv has (torch, Horovod, osp: python, torchrun, horovodrun), named bare
+    rather than as ``.venv/bin/...``, whether first on the line or started by a launcher; each as ``where``."""
+    bad = []
+    for info, start, body in doc.fences:
+        if info not in SHELL_FENCES:
+            continue
+        for n, text in logical_lines(info, start, body):
+            for c in simple_commands(doc.name, n, text):
+                if not is_checked(c.argv) or c.argv[0] == "make":
+                    continue
+                progs = [c.argv[0]] + [w for w in c.argv[1:] if os.path.basename(w) in VENV_PROGRAMS][:1]
+                bad += [f"{c.where}: {w!r} (as .venv/bin/{w})" for w in progs if w in VENV_PROGRAMS]
+    return bad
+
+
+def test_readme_commands_run_from_a_fresh_shell():
+    """Every README command runs as written after ``make install``, with no venv activated: the programs of the
+    venv are named ``.venv/bin/...`` (a bare ``horovodrun`` is 'No such file or directory', a bare ``python``
+    has no torch and no osp)."""
+    bad = bare_venv_programs(PARSED[ROOT / "README.md"])
+    assert not bad, "README command lines that fail in a fresh shell:\n" + "\n".join(bad)
+    sample = parse_markdown(ROOT / "docs" / "sample.md", "```\nhorovodrun -np 2 .venv/bin/python -m osp.train\n"
+                            "mpirun -np 2 python -m osp.train\n.venv/bin/torchrun -m osp.train\n```\n")
+    assert [b.split(": ")[-1] for b in bare_venv_programs(sample)] == [
+        "'horovodrun' (as .venv/bin/horovodrun)", "'python' (as .venv/bin/python)"]
+
+
 def test_the_checks_see_the_commands(command_results):
     """The extraction finds what the docs show: every launcher form, and commands that really get parsed
     (a checker that finds nothing would pass every doc)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import time
 import warnings
@@ -46,6 +47,7 @@ class Digits(pl.LightningModule):
                                        torch.nn.ReLU(), torch.nn.Linear(h, h), torch.nn.ReLU(), torch.nn.Linear(h, 10))
         self.lr, self.opt_name, self.scheduler = lr, optimizer, scheduler
         self.calls, self.slow = 0, False
+        self._straggler = None  # rank 1's: when its last sleep ended, and its own iterations' lengths
 
     def forward(self, x):
         return self.net(x)
@@ -53,11 +55,21 @@ class Digits(pl.LightningModule):
     def training_step(self, batch, batch_idx):
         self.calls += 1
         if self.slow and self.global_rank == 1:
-            time.sleep(0.004)  # a straggler: under HSP rank 0 runs extras meanwhile
+            self._straggle()  # a straggler: under HSP rank 0 runs extras meanwhile
         x, y = batch
         loss = F.cross_entropy(self(x), y)
         self.log("train_loss", loss)
         return loss
+
+    def _straggle(self):
+        """Sleep twice this rank's own iteration (the median of its last 9: from the end of one sleep to the next
+        call, Lightning's loop included), at least 4 ms: a 2x straggler on any host (a fixed 4 ms was less than half
+        a micro-batch on a slow one, where HSP rightly starts no extra)."""
+        woke, iters = self._straggler or (None, [])
+        if woke is not None:
+            iters = (iters + [time.perf_counter() - woke])[-9:]
+        time.sleep(max(0.004, 2 * statistics.median(iters)) if iters else 0.004)
+        self._straggler = (time.perf_counter(), iters)
 
     def validation_step(self, batch, batch_idx):
         x, y = batch

@@ -73,8 +73,8 @@ def test_a_noisy_host_warns_and_the_plan_refuses_an_extreme_profile():
 @QUIET
 def test_a_short_iteration_is_timed_as_the_mean_of_enough_of_them():
     """A model of a fraction of a millisecond: each timed value is the mean of consecutive iterations spanning
-    ``MIN_SAMPLE_S`` (at most ``MAX_PER``: its own scheduling jitter is not the host's noise), and there are ``steps`` of them; after a
-    warm-up of ``MIN_WARMUP_S`` at least, whose last iteration sets how many."""
+    ``MIN_SAMPLE_S`` (at most ``MAX_PER``: its own scheduling jitter is not the host's noise), and there are
+    ``steps`` of them; after a warm-up of ``MIN_WARMUP_S`` at least, whose last iteration sets how many."""
     from osp.profile import MAX_PER, MAX_WARMUP, MIN_SAMPLE_S, MIN_WARMUP_S, _time_mode
     model, loss_fn, batch = tiny(batch=2)
     calls = [0]

@@ -4,13 +4,20 @@ Every mode's per-step record (``osp.agreement``) carries, per rank, the millisec
 that rank's previous step to the moment it posted the record (HSP: to its "ready", before any extra
 micro-batch): the rank's own compute, with no collective added. The sum lands identical on every rank,
 so every rank keeps the same figures; ``Arrivals`` averages them. ``stats()`` reports each rank's mean
-arrival and its mean lag behind the earliest rank, and rank 0 warns once, at the user's line, when one rank
-is a straggler: over a full window of ``WINDOW`` steps its median arrival is more than ``FACTOR`` times the
-median of the other ranks' medians AND more than ``FLOOR_MS`` behind it, and it arrived after the others in at
-least ``PERSIST`` of the window's steps. A median, so that a few slow steps (a checkpoint's, an evaluation's)
-do not count; the full window and the persistence, so that scheduling noise and a slow warm-up between
-balanced ranks (3 ms against 2 ms for a few steps is 1.5x) is not called a straggler; the floor, so that a
-steady sub-millisecond offset is not. The advice in the warning is the mode's (``Mode.straggler_advice``).
+arrival and its mean lag behind the earliest rank.
+
+A rank is **named** a straggler when, at each of ``HOLD`` consecutive steps, the window of the last ``WINDOW``
+steps shows it slow: its median arrival more than ``FACTOR`` times the median of the other ranks' medians AND more
+than ``FLOOR_MS`` behind it, and after the others in at least ``PERSIST`` of the window's steps. A median, so that
+a few slow steps (a checkpoint's, an evaluation's) do not count; the persistence, so that scheduling noise between
+balanced ranks is not called a straggler; the floor, so that a steady sub-millisecond offset is not; and the hold
+(the rule met over ``WINDOW + HOLD - 1`` steps running), so that a spell of a busy host, which puts first one rank
+behind and then another for a window or so, is not either (20-step windows alone named one in 2 of 4 balanced
+runs on a 2-core host with a third process computing; the summary, judging the last window, then said "no slow
+rank"). Once named, a rank stays named: ``stats()`` reports the verdict with the figures it was named on
+(``named``) beside the last window's (``window``), so the warning and any summary of the run say the same thing.
+Rank 0 warns once, at the user's ``step()`` line (``DistributedOptimizer.step`` emits it, whichever mode read the
+record inside backward). The advice in the warning is the mode's (``Mode.straggler_advice``).
 """
 from __future__ import annotations
 
@@ -26,12 +33,14 @@ class Arrivals:
     FACTOR = 1.5  # slower than the median of the others by more than this
     FLOOR_MS = 1.5  # and behind it by more than this (below: timer and scheduling noise)
     PERSIST = 0.8  # share of the window's steps where the rank arrived after the others
+    HOLD = 20  # consecutive steps whose windows must each show the rank slow before it is named
 
 
     def __init__(self, rank: int, advice: str = ""):
         self.rank, self.advice = rank, advice
         self._reset(0)
         self._warned = False
+        self._pending: Optional[str] = None  # the warning, until the step() that read the record returns
         self._this_step = False  # a record was taken for the current step already
 
     def _reset(self, size: int) -> None:
@@ -39,6 +48,9 @@ class Arrivals:
         self._sum = [0.0] * size
         self._lag = [0.0] * size
         self._window: Deque[List[float]] = collections.deque(maxlen=self.WINDOW)
+        self._held = 0  # consecutive steps whose window showed the same slow rank
+        self._held_rank: Optional[int] = None
+        self.named: Optional[dict] = None  # the verdict, once a rank is named (it stays named in this world)
 
     def next_step(self) -> None:
         """The optimizer's step returned: the next record is the next step's."""
@@ -62,15 +74,36 @@ class Arrivals:
             self._sum[r] += a
             self._lag[r] += a - first
         self._window.append(ms)
-        if self.rank == 0 and not self._warned and self.slow_rank() is not None:  # only rank 0 warns, once
-            self._warned = True
-            w = self._slowest()
-            warn(f"osp: rank {w['rank']} is {w['median_ms'] / w['others_median_ms']:.1f}x slower than the median of "
-                 "the other ranks (its median time from one step to the next step's synchronization over the last "
-                 f"{w['steps']} steps: {w['median_ms']:.0f} ms, the others' median {w['others_median_ms']:.0f} ms, "
-                 f"behind them in {w['persistence']:.0%} of those steps); every synchronous step waits for it. Check "
-                 "that rank's host and device (a noisy neighbour, a throttled GPU, a slower input pipeline); "
-                 f"{self.advice or 'see stats()'}. This warning is shown once; stats()['arrivals'] has the figures")
+        slow = self._slow_now()
+        if slow is None:
+            self._held, self._held_rank = 0, None
+        else:  # one more step showing this rank slow (the same rank as the steps before, or it starts over)
+            self._held = self._held + 1 if slow == self._held_rank else 1
+            self._held_rank = slow
+        if self.named is None and self._held >= self.HOLD:
+            self.named = {**self._slowest(), "slower": self._slow_factor(self._slowest()), "at_step": self.steps,
+                          "held_steps": self.WINDOW + self.HOLD - 1}
+            if self.rank == 0 and not self._warned:  # only rank 0 warns, once
+                self._warned = True
+                self._pending = self._message(self.named)
+
+    def warn_pending(self) -> None:
+        """Emit the warning a record raised, at the user's line: called by ``DistributedOptimizer.step()`` (and
+        ``flush()``) once the mode's step returned, so it names the ``step()`` call even where the mode read the
+        record inside backward."""
+        if self._pending is not None:
+            msg, self._pending = self._pending, None
+            warn(msg)
+
+    def _message(self, w: dict) -> str:
+        return (f"osp: rank {w['rank']} is {w['slower']:.1f}x slower than the median of the other ranks (its median "
+                f"time from one step to the next step's synchronization over the last {w['steps']} steps: "
+                f"{w['median_ms']:.1f} ms, the others' median {w['others_median_ms']:.1f} ms, behind them in "
+                f"{w['persistence']:.0%} of those steps; and slow so in every {w['steps']}-step window of the last "
+                f"{w['held_steps']} steps); every "
+                "synchronous step waits for it. Check that rank's host and device (a noisy neighbour, a throttled "
+                f"GPU, a slower input pipeline); {self.advice or 'see stats()'}. This warning is shown once; "
+                "stats()['arrivals'] has the figures")
 
     def _median_window(self, r: int) -> float:
         """Rank ``r``'s median arrival over the window."""
@@ -89,13 +122,22 @@ class Arrivals:
         return sum(a[r] > statistics.median(x for o, x in enumerate(a) if o != r)
                    for a in self._window) / max(len(self._window), 1)
 
-    def slow_rank(self) -> Optional[tuple]:
-        """``(rank, how many times slower)`` of the slowest rank where it is a straggler over a full window
-        (see the module docstring), else None."""
+    def _slow_factor(self, w: dict) -> float:
+        return w["median_ms"] / w["others_median_ms"] if w["others_median_ms"] > 0 else float("inf")
+
+    def _slow_now(self) -> Optional[int]:
+        """The rank the last full window shows slow (factor, floor and persistence), else None."""
         w = self._slowest() if len(self._window) >= self.WINDOW else None
         if w is None or not (self._slower(w["median_ms"], w["others_median_ms"]) and w["persistence"] >= self.PERSIST):
             return None
-        return w["rank"], (w["median_ms"] / w["others_median_ms"] if w["others_median_ms"] > 0 else float("inf"))
+        return w["rank"]
+
+    def slow_rank(self) -> Optional[tuple]:
+        """``(rank, how many times slower)`` of the rank named a straggler (see the module docstring; once named it
+        stays named, with the factor it was named at), else None."""
+        if self.named is None:
+            return None
+        return self.named["rank"], self.named["slower"]
 
     def stats(self) -> dict:
         n = max(self.steps, 1)
@@ -104,6 +146,7 @@ class Arrivals:
                 "lag_ms": [s / n for s in self._lag],
                 "slow_rank": None if slow is None else slow[0],
                 "slower": None if slow is None else slow[1],
+                "named": None if self.named is None else dict(self.named),
                 "window": self._slowest()}
 
     def _slowest(self) -> Optional[dict]:

@@ -242,6 +242,7 @@ class DistributedOptimizer(keywords.HorovodSurface, torch.optim.Optimizer):
             self._acc.fresh = False
             self._acc.new_step()
             self._ctx.arrivals.next_step()
+        self._ctx.arrivals.warn_pending()  # at the user's step() line, whichever point of the step read the record
         amp.report(scaler, rec.pop("overflow", None))
         if rec.get("skipped") and scaler is None:  # a GradScaler expects overflows and reports them
             self._warn_skipped()
@@ -314,6 +315,7 @@ class DistributedOptimizer(keywords.HorovodSurface, torch.optim.Optimizer):
         if skipped:
             self._log.skipped += skipped
             self._warn_skipped()
+        self._ctx.arrivals.warn_pending()
 
     # -- what was done ----------------------------------------------------------------------------
     def last_step(self) -> Optional[dict]:

@@ -103,13 +103,24 @@ def init(backend: str, device: str = "cpu"):
 
 
 class Progress:
-    """A one-line progress bar on a terminal; one line per epoch otherwise."""
+    """A one-line progress bar on a terminal, redrawn at most every ``INTERVAL`` s (and at an epoch's last step:
+    drawn every step, rank 0 alone wrote to the terminal every step of a few-ms model); one line per epoch
+    otherwise."""
+
+    INTERVAL = 0.1
 
     def __init__(self, enabled: bool):
         self.enabled, self.tty = enabled, sys.stderr.isatty()
+        self._drawn = 0.0
 
     def update(self, epoch, epochs, i, n, loss):
+        """``loss``: a number, or a tensor (read only when the bar is drawn)."""
         if self.enabled and self.tty:
+            now = time.monotonic()
+            if now - self._drawn < self.INTERVAL and i + 1 < n:
+                return
+            self._drawn = now
+            loss = float(loss)
             w = 30
             done = int(w * (i + 1) / n)
             sys.stderr.write(f"\repoch {epoch + 1}/{epochs} [{'#' * done}{'.' * (w - done)}] "
@@ -171,11 +182,13 @@ def arrivals_line(a: dict) -> str:
     """``stats()["arrivals"]`` in one line: which rank holds the job back, if one does."""
     if not a["steps"]:
         return "osp.train: arrivals: not measured (one rank, or too few steps)"
-    means = " ".join(f"{m:.0f}" for m in a["arrival_ms"])
-    if a["slow_rank"] is None:
+    means = " ".join(f"{m:.1f}" for m in a["arrival_ms"])
+    n = a.get("named")
+    if n is None:
         return f"osp.train: no slow rank (mean ms from step to synchronization per rank: {means})"
-    return (f"osp.train: slow rank {a['slow_rank']}: {a['slower']:.1f}x slower than the median of the others "
-            f"(mean ms from step to synchronization per rank: {means})")
+    return (f"osp.train: slow rank {n['rank']}: {n['slower']:.1f}x slower than the median of the others, named at "
+            f"step {n['at_step']} ({n['median_ms']:.1f} ms against {n['others_median_ms']:.1f} ms, behind them in "
+            f"{n['persistence']:.0%} of the steps; mean ms from step to synchronization per rank: {means})")
 
 
 def sync_mode(args, name: str):
@@ -429,7 +442,7 @@ class Job:
                 pos["nsteps"] += 1
                 pos["tot"] += loss.item()
                 pos["epoch_s"] = time.perf_counter() - t0
-                self.progress.update(pos["epoch"], args.epochs, min(pos["done"], total) - 1, total, loss.item())
+                self.progress.update(pos["epoch"], args.epochs, min(pos["done"], total) - 1, total, loss.detach())
                 if after_step is not None:
                     after_step(pos)
             last = pos["epoch"] + 1 == args.epochs

@@ -6,7 +6,8 @@ Usage: arrivals_worker.py BACKEND OUTDIR
 
 The last rank sleeps SLOW seconds before each backward (a straggler), the others FAST. Checks, per mode
 (bsp, osp, osp-auto, dsync, and HSP composed with OSP, without a closure): ``<mode>/slow_rank_named``,
-``<mode>/warned_once_on_rank_0``, ``<mode>/balanced_names_none``.
+``<mode>/warned_once_on_rank_0`` (at the ``opt.step()`` line: BSP reads the record inside backward),
+``<mode>/balanced_names_none``.
 """
 import sys
 import time
@@ -22,7 +23,7 @@ backend, outdir = sys.argv[1], sys.argv[2]
 comm = ranks.start(backend)
 rank, size = comm.rank, comm.size
 check = ranks.check
-FAST, SLOW, STEPS = 0.01, 0.06, Arrivals.WINDOW + 3  # it decides on a full window
+FAST, SLOW, STEPS = 0.01, 0.06, Arrivals.WINDOW + Arrivals.HOLD + 2  # named after HOLD windows
 MODES = {"bsp": lambda: osp.BSP(), "osp": lambda: osp.OSP(critical=0.25, block_size=64),
          "osp-auto": lambda: osp.OSP(critical="auto", block_size=64), "dsync": lambda: osp.DSync(delay=2),
          "hsp-osp": lambda: osp.HSP(sync=osp.OSP(critical=0.25, block_size=64))}
@@ -41,10 +42,15 @@ def run(mode, slow):
             loss = model(torch.randn(8, 16, generator=g)).square().mean()
             time.sleep(SLOW if slow and rank == size - 1 else FAST)
             loss.backward()
-            opt.step()
+            opt.step()  # STEP_LINE: where the warning points, whichever point of the step read the record
         opt.flush()
-    named = [str(w.message) for w in caught if "slower than the median" in str(w.message)]
-    return opt.stats()["arrivals"], named
+    named = [w for w in caught if "slower than the median" in str(w.message)]
+    check(f"{mode}/{'slow' if slow else 'balanced'}/warned_at_the_step_line",
+          all((w.filename, w.lineno) == (__file__, STEP_LINE) for w in named), [(w.filename, w.lineno) for w in named])
+    return opt.stats()["arrivals"], [str(w.message) for w in named]
+
+
+STEP_LINE = next(i for i, ln in enumerate(open(__file__), 1) if ln.strip().startswith("opt.step()  # STEP_LINE"))
 
 
 def every_mode():

@@ -120,7 +120,8 @@ def hsp_step(model, opt, step, delay, record=None):
 
 
 def straggler_run():
-    steps, resume_at = Arrivals.WINDOW + 6, Arrivals.WINDOW + 2  # the slow rank is named on a full window
+    resume_at = Arrivals.WINDOW + Arrivals.HOLD + 2  # the slow rank is named after HOLD full windows
+    steps = resume_at + 4
     delay = SLOW if rank == SLOW_RANK else FAST
     model = mlp()
     opt = wrap(model, max_extra=6)

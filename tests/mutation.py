@@ -86,6 +86,7 @@ TWO_RANKS = {
     "compression": "tests/test_compression.py::test_two_ranks_replicas_equal_and_replay[spawn-torch]",  # ~12 s
     "lightning": "tests/test_lightning.py::test_replicas_bitwise_and_the_closure_once_per_step",  # ~60 s
     "join-amp": "tests/test_join.py::test_join_keeps_grad_scalers_in_step",  # ~10 s
+    "arrivals": "tests/test_arrivals.py::test_every_mode_names_the_slow_rank",  # ~25 s
     "join-dsync": "tests/test_join.py::test_join_under_dsync_leaves_at_the_same_step",  # ~15 s
     "join-scheduler": "tests/test_join.py::test_uneven_data_joins_cleanly[spawn-torch-3]",  # ~15 s
     "hsp": "tests/test_hsp.py::test_hsp_with_a_straggler[torch-2-bsp]",  # ~15 s
@@ -273,7 +274,7 @@ MUTANTS: List[Mutant] = [
       T("osp-auto or osp-0.25", opt="select_critical or bucket_ready_last or auto_ or critical_zero or one_rank_osp"),
       "select_critical picks the LOWEST-scoring blocks"),
     M("policy-trial-unchecked", "policy.py",
-      "        if a >= b:  # no faster", "        if a >= 10 * b:  # no faster",
+      '"kept": a < b}', '"kept": a < 10 * b}',
       T(auto="auto_"),
       "auto keeps a share its measured steps show slower than the one it left (the check never fires)"),
     M("policy-noise-ignored", "policy.py",
@@ -594,6 +595,23 @@ MUTANTS: List[Mutant] = [
       ' and w["persistence"] >= self.PERSIST):', "):",
       T(arr="not multiproc"),
       "a rank slow in only some of the window's steps is named (no persistence test)"),
+    M("arr-no-hold", "arrivals.py",
+      "        if self.named is None and self._held >= self.HOLD:",
+      "        if self.named is None and self._held >= 1:",
+      T(arr="not multiproc"),
+      "one window showing a rank slow names it: a busy host's spell warns, and the summary contradicts it"),
+    M("arr-named-forgotten", "arrivals.py",
+      "        if self.named is None:\n            return None\n"
+      "        return self.named[\"rank\"], self.named[\"slower\"]",
+      "        w = self._slow_now()\n"
+      "        return None if self.named is None or w is None else (w, self.named[\"slower\"])",
+      T(arr="not multiproc"),
+      "stats() judges the last window only: a rank warned of reads 'no slow rank' in the run's summary"),
+    M("arr-warned-inside-the-read", "arrivals.py",
+      "                self._pending = self._message(self.named)\n",
+      "                self._pending = self._message(self.named)\n                self.warn_pending()\n",
+      TWO_RANKS["arrivals"],
+      "the warning is raised where the mode reads the record (BSP: inside backward), naming loss.backward()"),
     # -- lightning.py (one launch of Lightning's own, 2 ranks, about a minute) ---------------------
     M("lightning-no-flush-at-train-end", "lightning.py",
       "    def on_train_end(self, trainer, pl_module) -> None:\n        self.strategy.flush()\n",

@@ -116,3 +116,27 @@ def test_no_tool_is_loaded_by_import_osp():
 def _path(module: str) -> str:
     base = os.path.join(ROOT, *module.split("."))
     return os.path.join(base, "__init__.py") if os.path.isdir(base) else base + ".py"
+
+
+COMMUNICATION = ("osp.comm", "osp.linkemu", "osp.broadcast", "osp.units", "osp.teardown")
+ABOVE = ("osp.modes", "osp.optimizer", "osp.plan", "osp.profile", "osp.train", "osp.stepmodel", "osp.policy")
+
+
+def test_the_communication_layer_reaches_nothing_above_it():
+    """The communication layer (collectives, the emulated link, broadcasts, units) loads no mode, optimizer or
+    tool, directly or through what it imports: a broadcast does not ask a mode whether it may run (HSP marks its
+    extras as the rank's own with ``osp.comm.alone()``), the link does not parse its rates with the planner's
+    code (``osp.units``)."""
+    graph = _graph()
+    bad = {}
+    for m in COMMUNICATION:
+        seen, todo = set(), [m]
+        while todo:
+            x = todo.pop()
+            if x not in seen and x != "osp":  # the package's facade (``from . import x`` names it): not a layer
+                seen.add(x)
+                todo += sorted(graph[x])
+        up = sorted(x for x in seen if x.startswith(ABOVE))
+        if up:
+            bad[m] = up
+    assert not bad, bad

@@ -6,8 +6,7 @@ from collections import defaultdict
 
 import torch
 
-from .comm import Comm, get_comm
-from .modes.hsp import in_extra_micro_batch
+from .comm import Comm, get_comm, running_alone
 
 
 def sync_buffers(module: torch.nn.Module, root_rank: int = 0, backend="auto") -> None:
@@ -32,7 +31,7 @@ def broadcast_buffers(module: torch.nn.Module, root_rank: int = 0, backend="auto
 
     def pre_forward(mod, args):
         # a collective only where every rank issues it: not in an extra micro-batch, which meets the others' step
-        if mod.training and torch.is_grad_enabled() and not in_extra_micro_batch():
+        if mod.training and torch.is_grad_enabled() and not running_alone():
             _broadcast_coalesced(comm, [b for _, b in mod.named_buffers()], root_rank, "osp.bcast_buffers")
 
     return module.register_forward_pre_hook(pre_forward)

@@ -11,13 +11,34 @@ from __future__ import annotations
 import abc
 import datetime
 import os
+import threading
 import time
 import warnings
-from typing import Any, Dict, Optional
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator, Optional
 
 import torch
 
 from . import linkemu, teardown
+
+_ALONE = threading.local()  # .depth: parts of a step this thread runs on this rank alone
+
+
+def running_alone() -> bool:
+    """Whether this thread runs a part of the step on this rank alone (HSP's extra micro-batches: the other ranks
+    wait, or run a different number of them). No collective may be issued there: it would meet another rank's
+    step (``osp.broadcast_buffers``' forward hook skips its broadcast)."""
+    return getattr(_ALONE, "depth", 0) > 0
+
+
+@contextmanager
+def alone() -> Iterator[None]:
+    """Mark what runs inside as this rank's alone (``running_alone``); nests."""
+    _ALONE.depth = getattr(_ALONE, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _ALONE.depth -= 1
 
 
 class Handle:

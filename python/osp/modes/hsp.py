@@ -24,39 +24,20 @@ HSP is its ``sync`` alone.
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
-from contextlib import contextmanager
 from typing import Optional
 
 import torch
 
 from .. import timing
 from ..agreement import Agreement
+from ..comm import alone
 from ..correction import unhooked_step
 from ..timing import span, traced
 from .base import Context, Mode, Options, StepInput, check_int, warn_grad_edits
 from .bsp import BSP
 from .dsync import DSync
 from .osp import OSP
-
-_EXTRA = threading.local()  # .depth: HSP extra micro-batches running in this thread
-
-
-def in_extra_micro_batch() -> bool:
-    """Whether an HSP extra micro-batch (``step(closure)``'s ``closure()``) is running in this thread. It runs
-    on this rank alone (the others wait, or run a different number of extras): a forward hook must not issue
-    a collective there (``osp.broadcast_buffers`` skips it), or it would meet another rank's step."""
-    return getattr(_EXTRA, "depth", 0) > 0
-
-
-@contextmanager
-def _extra_micro_batch():
-    _EXTRA.depth = getattr(_EXTRA, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _EXTRA.depth -= 1
 
 
 class HSP(Options):
@@ -282,7 +263,7 @@ class HSPMode(Mode):
         a GPU it returns once the device ran it (polling a CUDA event), so that the next decision and the
         micro-batch's time are the device's: otherwise the host would queue ``max_extra`` extras at once,
         whatever the others do."""
-        with self.ctx.extra_passes() as passes, torch.enable_grad(), _extra_micro_batch():
+        with self.ctx.extra_passes() as passes, torch.enable_grad(), alone():
             loss = closure()
         if self._cuda:
             timing.wait_here(self.ctx.device)

@@ -133,7 +133,7 @@ MUTANTS: List[Mutant] = [
       "self.split.score(d.avg, d.snap.fg, ~d.mask, d.lo)", "self.split.score(d.avg, d.snap.fg, d.mask, d.lo)",
       T(OSP_MODES, opt=OPT_OSP),
       "scores of the landed deferred blocks are written to the critical blocks' places"),
-    M("osp-last-bucket-floor", "policy.py",
+    M("osp-last-bucket-floor", "split.py",
       "floor = min(counts[last], math.ceil(self.options.min_critical * sizes[last]))",
       "floor = min(counts[last], math.floor(self.options.min_critical * sizes[last]))",
       T(OSP_MODES, opt=OPT_OSP),
@@ -269,7 +269,7 @@ MUTANTS: List[Mutant] = [
       T(f"{OSP_MODES} or {DSYNC_MODES}", opt=OPT_ALL),
       "an optimizer that reads every gradient (global norm) is corrected on the touched parameters only"),
     # -- policy.py ---------------------------------------------------------------------------------
-    M("policy-lowest-critical", "policy.py",
+    M("split-lowest-critical", "split.py",
       "torch.sort(scores, descending=True, stable=True)", "torch.sort(scores, descending=False, stable=True)",
       T("osp-auto or osp-0.25", opt="select_critical or bucket_ready_last or auto_ or critical_zero or one_rank_osp"),
       "select_critical picks the LOWEST-scoring blocks"),

@@ -119,7 +119,8 @@ def _path(module: str) -> str:
 
 
 COMMUNICATION = ("osp.comm", "osp.linkemu", "osp.broadcast", "osp.units", "osp.teardown")
-ABOVE = ("osp.modes", "osp.optimizer", "osp.plan", "osp.profile", "osp.train", "osp.stepmodel", "osp.policy")
+ABOVE = ("osp.modes", "osp.optimizer", "osp.plan", "osp.profile", "osp.train", "osp.stepmodel", "osp.policy",
+         "osp.split", "osp.meter")
 
 
 def test_the_communication_layer_reaches_nothing_above_it():

@@ -619,7 +619,7 @@ def test_compiled_model_steps_like_the_plain_optimizer(one_rank):
 
 
 def test_select_critical_takes_the_highest_scores_ties_to_the_lower_index():
-    from osp.policy import select_critical
+    from osp.split import select_critical
     s = torch.tensor([0.1, 5.0, 3.0, 0.2, 3.0])
     assert select_critical(s, 2).tolist() == [False, True, True, False, False]
     assert select_critical(s, 3).tolist() == [False, True, True, False, True]  # the tie at 3.0: both

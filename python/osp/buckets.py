@@ -52,7 +52,7 @@ class Buckets:
                 self.buckets.append((fg, lo, hi, cur))
         self._bucket_of = {p: b for b, (_, _, _, ps) in enumerate(self.buckets) for p in ps}
         self.dest: Callable[[FlatGroup], torch.Tensor] = lambda fg: fg.grad
-        self.meter = None  # an osp.policy.Meter told when each bucket is issued (OSP's auto measures the step)
+        self.meter = None  # an osp.meter.Meter told when each bucket is issued (OSP's auto measures the step)
         self.reset()
 
     def reset(self, dest: Callable[[FlatGroup], torch.Tensor] = None, tag: str = "") -> None:

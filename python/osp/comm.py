@@ -54,7 +54,7 @@ class Handle:
         self.resum = False  # compressed: a sum was asked for, and the wire carried the average
         self.due: Optional[float] = None  # an emulated link's end of this collective (osp.linkemu), if one
         # when it was issued and completed (time.monotonic(); t1 None until known; an emulated link's ``due``
-        # is applied by the reader, osp.policy.Meter, which measures the link by them)
+        # is applied by the reader, osp.meter.Meter, which measures the link by them)
         self.t0: Optional[float] = None
         self.t1: Optional[float] = None
 

@@ -76,7 +76,7 @@ def chain(start_free: float, issues: Iterable[Tuple[float, float]], link: Callab
 
 def quotas(nbytes: Sequence[float], ready: Sequence[float], share: float, min_critical: float = 0.0) -> List[float]:
     """Critical bytes per bucket at ``share``: the bucket ready last keeps ``min_critical`` of its bytes, the
-    others take over the rest of its quota in proportion to their room (``osp.policy.Split._quotas`` in blocks)."""
+    others take over the rest of its quota in proportion to their room (``osp.split.Split._quotas`` in blocks)."""
     sizes = list(nbytes)
     if not sizes:
         return []

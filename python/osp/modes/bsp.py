@@ -34,7 +34,7 @@ class BSPMode(Mode):
     ready_unreached_early = True
 
     def __init__(self, options: BSP, ctx: Context, meter=None):
-        """``meter``: an ``osp.policy.Meter`` (OSP's ``auto`` at every block critical runs these steps and keeps
+        """``meter``: an ``osp.meter.Meter`` (OSP's ``auto`` at every block critical runs these steps and keeps
         measuring them): told of the buckets and waits, its figures ride on the step's agreement, and
         ``agreed`` holds the sum."""
         super().__init__(options, ctx)

@@ -15,7 +15,8 @@ from ..comm import Handle
 from ..compression import Compressor, fits, resolve, wire_dtype
 from ..correction import Snapshot, corrector_for, hyper, unhooked_step
 from ..layout import EditProbe, Workspace
-from ..policy import Meter, Plan, Split
+from ..meter import Meter
+from ..split import Plan, Split
 from ..timing import span, traced
 from .base import Context, Mode, Options, StepInput, check_positive, check_share, edited_error, warn_grad_edits
 from .bsp import BSP, BSPMode

@@ -141,3 +141,20 @@ def test_the_communication_layer_reaches_nothing_above_it():
         if up:
             bad[m] = up
     assert not bad, bad
+
+
+MAX_CLASS_LINES = 350
+
+
+def test_no_class_over_350_lines():
+    """One job a class: none of python/osp over ``MAX_CLASS_LINES`` lines (OSPMode was 444: its stage 2 is
+    ``Deferral`` now; policy.py's three jobs are three modules)."""
+    big = {}
+    for dirpath, _, files in os.walk(os.path.join(ROOT, "osp")):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(dirpath, f)
+                for node in ast.walk(ast.parse(open(path).read())):
+                    if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
+                        big[f"{os.path.relpath(path, ROOT)}:{node.name}"] = node.end_lineno - node.lineno + 1
+    assert not big, big

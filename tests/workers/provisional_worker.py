@@ -72,7 +72,7 @@ def run(name, sync, make_opt, max_norm):
         if max_norm is not None:
             opt.clip_grad_norm_(max_norm)
         opt.step()
-        mask = opt.mode._pending[0].mask.clone() if opt.mode._pending else torch.ones(nb, dtype=torch.bool)
+        mask = opt.mode.stage2.pending[0].mask.clone() if opt.mode.stage2.pending else torch.ones(nb, dtype=torch.bool)
         # the critical blocks: the top scores of each bucket, as many in all as the budget gives
         if held is not None:
             k_total = 0

@@ -111,6 +111,120 @@ class _Deferred:
     positions: Optional[torch.Tensor] = None  # ``mask``'s (ops.mask_positions), from the plan
 
 
+class Deferral:
+    """OSP's stage 2: the last step's deferred blocks in flight, and their exact correction. ``snapshot`` keeps
+    what each group's exact update needs before the local update moves the blocks provisionally; ``wait`` lets
+    the averages land; ``correct`` replaces the provisional update by the exact one (the corrector redoes it from
+    the snapshot with the averaged gradient), after which every rank holds bitwise the same parameters and
+    state. ``masks`` says which blocks a pending correction will rewrite (the edit probe's business)."""
+
+    def __init__(self, ctx: Context, corrector, split: Split, comm2, probe: EditProbe, ws: Dict[int, Workspace],
+                 none: List[torch.Tensor], bucket_params: List[List[int]]):
+        self.ctx, self.corrector, self.split, self.comm2, self.probe = ctx, corrector, split, comm2, probe
+        self._ws, self._none, self._bucket_params = ws, none, bucket_params
+        self._none_pos = [ops.mask_positions(m) for m in none]
+        self.pending: List[_Deferred] = []
+        # clipping of the averaged gradient, pending on stage 2: the step's update is redone for every block
+        # (of every group) once the deferred part is known (by norm: the factor needs all of it)
+        self.clip = None  # the step's Clip
+
+    def snapshot(self, launch2, deferreds, h2, absent, clip: bool, plan: Plan) -> None:
+        """What the exact update of each group in stage 2 needs, taken before the local update."""
+        ctx = self.ctx
+        for gi in launch2:
+            fg = ctx.groups[gi]
+            group = ctx.optimizer.param_groups[fg.group_index]
+            mask = self.split.group_mask(gi)
+            if clip:  # the whole step is redone once the norm is known
+                snap = self.corrector.snapshot(fg, self._none[gi], fg.padded, hyper(group),
+                                               positions=self._none_pos[gi])
+                full = self._ws[id(fg)]("full").copy_(fg.grad)
+            else:
+                snap = self.corrector.snapshot(fg, mask, deferreds[gi].numel(), hyper(group),
+                                               params=self._params(gi, plan),
+                                               positions=self.split.group_positions(gi))
+                full = None
+            self.pending.append(_Deferred(snap=snap, lo=self.split.group_lo[gi], handle=h2.get(gi),
+                                           avg=deferreds[gi], mask=mask, absent=absent[gi], full=full,
+                                           positions=self.split.group_positions(gi),
+                                           ndeferred=fg.nblocks - plan.ncrit[gi]))
+
+    def _params(self, gi: int, plan: Plan) -> List[int]:
+        """Flat group ``gi``'s parameters with an element in a block ``plan`` defers, known on the host from
+        its counts per bucket (a superset: the buckets' parameters), so no correction reads the mask."""
+        out = set()
+        for b, (g, b0, b1) in enumerate(self.split.geo):
+            if g == gi and plan.counts[b] < b1 - b0:
+                out.update(self._bucket_params[b])
+        return sorted(out)
+
+    def masks(self) -> List[Optional[torch.Tensor]]:
+        """Per flat group, the blocks its pending correction rewrites (a change elsewhere is kept: those
+        blocks are exact already); None where nothing is pending. With clipping every block is redone."""
+        by_group = {id(d.snap.fg): d.mask for d in self.pending}
+        out = []
+        for fg in self.ctx.groups:
+            m = by_group.get(id(fg))
+            out.append(None if m is None else torch.ones_like(m) if self.clip is not None else ~m)
+        return out
+
+    @traced("osp.stage2.wait")
+    def wait(self) -> float:
+        """Wait for the previous step's stage 2 (the averages land in place); returns the wait."""
+        self.probe.clear()
+        t0 = time.perf_counter()
+        for d in self.pending:
+            if d.handle is not None:
+                self.comm2.wait(d.handle, self.ctx.timeout, "stage-2 allreduce")
+                d.avg.div_(self.ctx.comm.size)
+                d.handle = None  # landed and divided
+        return time.perf_counter() - t0 if self.pending else 0.0
+
+    @traced("osp.correction")
+    def correct(self, step: int) -> None:
+        """Replace the provisional update of the previous step's deferred blocks (their averages
+        landed) by the exact one. Afterwards every rank holds bitwise the same parameters and state."""
+        if not self.pending:
+            return
+        if self.ctx.any_nonfinite([d.avg for d in self.pending]):
+            # each rank's deferred gradient was finite, their sum is not (float16): identical on every rank.
+            # The step's critical blocks are applied already, so it cannot be skipped: put the deferred
+            # blocks back as they were before it (replicas stay equal) and stop on every rank alike
+            self.corrector.restore([d.snap for d in self.pending])
+            self.pending, self.clip = [], None
+            raise FloatingPointError(
+                f"osp: OSP's averaged deferred gradient of step {step} is not finite on every rank, though "
+                "each rank's own gradient was (their sum overflowed, e.g. float16 gradients); its critical blocks "
+                "are applied and its deferred blocks are left as before that step. Use float32 or bfloat16 "
+                "parameters, scale the loss down, or osp.BSP() / osp.DSync(), which skip such a step whole")
+        items = [(d.snap, d.avg) for d in self.pending]
+        if self.clip is not None:  # the exact factor, from the whole averaged gradient (every group's)
+            for d in self.pending:
+                ops.merge_blocks(None, d.avg, d.mask, d.snap.fg.block_size, d.full, d.ndeferred,
+                                 positions=d.positions)
+            self.ctx.clip_(self.clip, [d.full for d in self.pending], [d.absent for d in self.pending])
+            items = [(d.snap, d.full) for d in self.pending]
+        for d in self.pending:
+            d.snap.absent = d.absent
+        self.corrector.correct(items)
+        # scored after the corrections: with "relative", |w| must be the exact (shared) parameters,
+        # not this rank's provisional ones, or ranks would pick different blocks next step
+        for d in self.pending:
+            self.split.score(d.avg, d.snap.fg, ~d.mask, d.lo)
+        self.pending = []
+        self.clip = None
+
+    def flush(self, step: int) -> float:
+        """Finish stage 2 exactly (an edit since the last step raises on every rank); returns the wait."""
+        edited = self.probe.edited(self.masks()) if self.pending else None
+        wait = self.wait()
+        self.correct(step)
+        if any_rank(self.ctx, edited, "osp.edited"):
+            raise edited_error("OSP")
+        self.ctx.on_synced()
+        return wait
+
+
 class OSPMode(Mode):
     """Stage 1 starts from the backward hooks: when a bucket's gradients are ready its blocks are packed,
     the critical ones into the stage-1 buffer, whose part is averaged at once, the deferred ones into
@@ -143,12 +257,7 @@ class OSPMode(Mode):
                                mask_blocks=self.nblocks, comm=self.comm2)
         self._ws: Dict[int, Workspace] = {id(fg): Workspace(fg) for fg in ctx.groups}
         self._none = [torch.zeros(fg.nblocks, dtype=torch.bool, device=dev) for fg in ctx.groups]
-        self._none_pos = [ops.mask_positions(m) for m in self._none]
         self._probe = EditProbe(ctx.groups)
-        self._pending: List[_Deferred] = []
-        # clipping of the averaged gradient, pending on stage 2: the step's update is redone for every block
-        # (of every group) once the deferred part is known (by norm: the factor needs all of it)
-        self._clip = None  # the step's Clip
         self._steps = 0
         # the buckets, as block ranges of their flat group (the blocks that start in the bucket's
         # elements: a block reaching into the next bucket up is ready, as that bucket started earlier)
@@ -161,17 +270,19 @@ class OSPMode(Mode):
         # per bucket, its parameters with an element in its blocks (a block may reach into the next bucket's)
         self._bucket_params = [[i for i, (s0, s1) in enumerate(ctx.groups[gi].block_span) if s0 < b1 and s1 >= b0]
                                for gi, b0, b1 in self.split.geo]
+        self.stage2 = Deferral(ctx, self.corrector, self.split, self.comm2, self._probe, self._ws, self._none,
+                               self._bucket_params)
         # every block critical (critical=1.0, or "auto" at 1.0 for now): BSP's own machinery
         self._bsp: Optional[BSPMode] = None
         self._follow_budget()
 
     @property
     def in_flight(self):
-        return bool(self._pending) or (self._bsp is not None and self._bsp.in_flight)
+        return bool(self.stage2.pending) or (self._bsp is not None and self._bsp.in_flight)
 
     @property
     def exact(self):
-        return not self._pending
+        return not self.stage2.pending
 
     @property
     def grad_is_average(self):
@@ -275,8 +386,8 @@ class OSPMode(Mode):
         self._gather(inp.unscale)
         # parameters changed since the last step where a correction is pending: refused on every rank
         # (after the corrections, so the ranks stay equal), as the correction overwrites such a change
-        edited = self._probe.edited(self._deferred_masks())
-        wait_s = self._wait_deferred()  # the last stage 2 landed before the side channel starts
+        edited = self._probe.edited(self.stage2.masks())
+        wait_s = self.stage2.wait()  # the last stage 2 landed before the side channel starts
         self.meter.waited(wait_s)  # the network's time, not step()'s own work (auto's model has it on the link)
         self._launch_stage1(s1)
         if s1.scaled:  # packed in backward from the gradients as backward left them
@@ -333,8 +444,10 @@ class OSPMode(Mode):
             if scoring:
                 self.split.score(crit, fg, mask, self.split.group_lo[gi])
         if clip:  # the exact factor is applied when stage 2 lands
-            self._clip = inp.clip if deferring else None
-        self._snapshot(launch2, deferreds, h2, absent, clip, plan)
+            self.stage2.clip = inp.clip if deferring else None
+        self.stage2.snapshot(launch2, deferreds, h2, absent, clip, plan)
+        if launch2:
+            self._cur ^= 1  # the next backward packs into the other stage-2 buffer
         # 4. LGP's local update with the provisional gradient (averaged on critical blocks, this rank's
         # own on deferred ones); parameters without a gradient on any rank are left alone
         if clip:  # provisionally by the norm of this gradient (the average's on one rank, bitwise torch's)
@@ -343,7 +456,7 @@ class OSPMode(Mode):
             fg.set_grads(a)
         unhooked_step(ctx.optimizer)
         self.corrector.adopt(ctx.groups)
-        if self._pending:
+        if self.stage2.pending:
             self._probe.record()
         rec["overflow"] = False
         self._end_step()
@@ -393,7 +506,7 @@ class OSPMode(Mode):
         self._side.post(plan.mask, nonfinite=nonfinite, edited=edited, stale=s1.stale, **self.meter.figures())
         if correct:
             t0 = time.perf_counter()
-            self._correct_deferred()
+            self.stage2.correct(self._steps)
             ctx.on_synced()
             s1.t0 += time.perf_counter() - t0  # stage1_s: the step's time on stage 1, not on corrections
         t0 = time.perf_counter()
@@ -415,38 +528,6 @@ class OSPMode(Mode):
         return {"stage2_wait_s": wait_s, "stage1_s": t2 - s1.t0, "bytes_stage1": b1,
                 "critical_fraction": b1 / max(ctx.nbytes, 1)}
 
-    def _snapshot(self, launch2, deferreds, h2, absent, clip: bool, plan: Plan) -> None:
-        """What the exact update of each group in stage 2 needs, taken before the local update."""
-        ctx = self.ctx
-        for gi in launch2:
-            fg = ctx.groups[gi]
-            group = ctx.optimizer.param_groups[fg.group_index]
-            mask = self.split.group_mask(gi)
-            if clip:  # the whole step is redone once the norm is known
-                snap = self.corrector.snapshot(fg, self._none[gi], fg.padded, hyper(group),
-                                               positions=self._none_pos[gi])
-                full = self._ws[id(fg)]("full").copy_(fg.grad)
-            else:
-                snap = self.corrector.snapshot(fg, mask, deferreds[gi].numel(), hyper(group),
-                                               params=self._deferred_params(gi, plan),
-                                               positions=self.split.group_positions(gi))
-                full = None
-            self._pending.append(_Deferred(snap=snap, lo=self.split.group_lo[gi], handle=h2.get(gi),
-                                           avg=deferreds[gi], mask=mask, absent=absent[gi], full=full,
-                                           positions=self.split.group_positions(gi),
-                                           ndeferred=fg.nblocks - plan.ncrit[gi]))
-        if launch2:
-            self._cur ^= 1  # the next backward packs into the other stage-2 buffer
-
-    def _deferred_params(self, gi: int, plan: Plan) -> List[int]:
-        """Flat group ``gi``'s parameters with an element in a block ``plan`` defers, known on the host from
-        its counts per bucket (a superset: the buckets' parameters), so no correction reads the mask."""
-        out = set()
-        for b, (g, b0, b1) in enumerate(self.split.geo):
-            if g == gi and plan.counts[b] < b1 - b0:
-                out.update(self._bucket_params[b])
-        return sorted(out)
-
     def _bsp_step(self, inp: StepInput) -> dict:
         """A step handed to BSP; the last stage 2 (from before the handover) is finished first."""
         if self._held:  # a sparse gradient: what started in backward is waited for, then the gather raises
@@ -455,7 +536,7 @@ class OSPMode(Mode):
             for fg in self.ctx.groups:
                 fg.gather_grads()
         # calls on_synced where OSP's own steps do: replicas equal, before the update
-        wait_s = self._flush()
+        wait_s = self.stage2.flush(self._steps)
         self.meter.waited(wait_s)
         rec = self._bsp.step(inp)
         rec["stage2_wait_s"] = wait_s
@@ -474,74 +555,8 @@ class OSPMode(Mode):
         self.meter.end()
         self._follow_budget()
 
-    def _deferred_masks(self) -> List[Optional[torch.Tensor]]:
-        """Per flat group, the blocks its pending correction rewrites (a change elsewhere is kept: those
-        blocks are exact already); None where nothing is pending. With clipping every block is redone."""
-        by_group = {id(d.snap.fg): d.mask for d in self._pending}
-        out = []
-        for fg in self.ctx.groups:
-            m = by_group.get(id(fg))
-            out.append(None if m is None else torch.ones_like(m) if self._clip is not None else ~m)
-        return out
-
-    @traced("osp.stage2.wait")
-    def _wait_deferred(self) -> float:
-        """Wait for the previous step's stage 2 (the averages land in place); returns the wait."""
-        self._probe.clear()
-        t0 = time.perf_counter()
-        for d in self._pending:
-            if d.handle is not None:
-                self.comm2.wait(d.handle, self.ctx.timeout, "stage-2 allreduce")
-                d.avg.div_(self.ctx.comm.size)
-                d.handle = None  # landed and divided
-        return time.perf_counter() - t0 if self._pending else 0.0
-
-    @traced("osp.correction")
-    def _correct_deferred(self) -> None:
-        """Replace the provisional update of the previous step's deferred blocks (their averages
-        landed) by the exact one. Afterwards every rank holds bitwise the same parameters and state."""
-        if not self._pending:
-            return
-        if self.ctx.any_nonfinite([d.avg for d in self._pending]):
-            # each rank's deferred gradient was finite, their sum is not (float16): identical on every rank.
-            # The step's critical blocks are applied already, so it cannot be skipped: put the deferred
-            # blocks back as they were before it (replicas stay equal) and stop on every rank alike
-            self.corrector.restore([d.snap for d in self._pending])
-            self._pending, self._clip = [], None
-            raise FloatingPointError(
-                f"osp: OSP's averaged deferred gradient of step {self._steps} is not finite on every rank, though "
-                "each rank's own gradient was (their sum overflowed, e.g. float16 gradients); its critical blocks "
-                "are applied and its deferred blocks are left as before that step. Use float32 or bfloat16 "
-                "parameters, scale the loss down, or osp.BSP() / osp.DSync(), which skip such a step whole")
-        items = [(d.snap, d.avg) for d in self._pending]
-        if self._clip is not None:  # the exact factor, from the whole averaged gradient (every group's)
-            for d in self._pending:
-                ops.merge_blocks(None, d.avg, d.mask, d.snap.fg.block_size, d.full, d.ndeferred,
-                                 positions=d.positions)
-            self.ctx.clip_(self._clip, [d.full for d in self._pending], [d.absent for d in self._pending])
-            items = [(d.snap, d.full) for d in self._pending]
-        for d in self._pending:
-            d.snap.absent = d.absent
-        self.corrector.correct(items)
-        # scored after the corrections: with "relative", |w| must be the exact (shared) parameters,
-        # not this rank's provisional ones, or ranks would pick different blocks next step
-        for d in self._pending:
-            self.split.score(d.avg, d.snap.fg, ~d.mask, d.lo)
-        self._pending = []
-        self._clip = None
-
     def flush(self):
-        self._flush()
-
-    def _flush(self) -> float:
-        """Finish stage 2 exactly (an edit since the last step raises on every rank); returns the wait."""
-        edited = self._probe.edited(self._deferred_masks()) if self._pending else None
-        wait = self._wait_deferred()
-        self._correct_deferred()
-        if any_rank(self.ctx, edited, "osp.edited"):
-            raise edited_error("OSP")
-        self.ctx.on_synced()
-        return wait
+        self.stage2.flush(self._steps)
 
     def stats(self):
         return {"budget": self.split.budget.stats()}  # what the budget measured and decided

@@ -273,14 +273,15 @@ def names_a_program(argv: List[str]) -> bool:
     return any(is_python(w) or w.endswith(".py") or w in ("-m", "--module") for w in argv[1:])
 
 
-def commands(doc: Doc) -> List[Command]:
+def commands(doc: Doc, inline: bool = True) -> List[Command]:
+    """The repository command lines of ``doc``: its shell blocks' and (``inline``) its inline code spans'."""
     out = []
     for info, start, body in doc.fences:
         if info not in SHELL_FENCES:
             continue
         for n, text in logical_lines(info, start, body):
             out.extend(c for c in simple_commands(doc.name, n, text) if is_checked(c.argv))
-    for n, text in code_spans(doc):
+    for n, text in code_spans(doc) if inline else ():
         for c in simple_commands(doc.name, n, text):
             if not is_checked(c.argv) or (len(c.argv) == 1 and c.argv[0] != "make"):
                 continue  # `python`, `torchrun`: a program's name
@@ -727,15 +728,9 @@ def bare_venv_programs(doc: Doc) -> List[str]:
     that only ``make install``'s venv has (torch, Horovod, osp: python, torchrun, horovodrun), named bare
     rather than as ``.venv/bin/...``, whether first on the line or started by a launcher; each as ``where``."""
     bad = []
-    for info, start, body in doc.fences:
-        if info not in SHELL_FENCES:
-            continue
-        for n, text in logical_lines(info, start, body):
-            for c in simple_commands(doc.name, n, text):
-                if not is_checked(c.argv) or c.argv[0] == "make":
-                    continue
-                progs = [c.argv[0]] + [w for w in c.argv[1:] if os.path.basename(w) in VENV_PROGRAMS][:1]
-                bad += [f"{c.where}: {w!r} (as .venv/bin/{w})" for w in progs if w in VENV_PROGRAMS]
+    for c in commands(doc, inline=False):
+        progs = [c.argv[0]] + [w for w in c.argv[1:] if os.path.basename(w) in VENV_PROGRAMS][:1]
+        bad += [f"{c.where}: {w!r} (as .venv/bin/{w})" for w in progs if w in VENV_PROGRAMS]
     return bad
 
 

@@ -81,7 +81,8 @@ class Arrivals:
             self._held = self._held + 1 if slow == self._held_rank else 1
             self._held_rank = slow
         if self.named is None and self._held >= self.HOLD:
-            self.named = {**self._slowest(), "slower": self._slow_factor(self._slowest()), "at_step": self.steps,
+            w = self._slowest()
+            self.named = {**w, "slower": self._slow_factor(w), "at_step": self.steps,
                           "held_steps": self.WINDOW + self.HOLD - 1}
             if self.rank == 0 and not self._warned:  # only rank 0 warns, once
                 self._warned = True

@@ -119,9 +119,12 @@ class Deferral:
     state. ``masks`` says which blocks a pending correction will rewrite (the edit probe's business)."""
 
     def __init__(self, ctx: Context, corrector, split: Split, comm2, probe: EditProbe, ws: Dict[int, Workspace],
-                 none: List[torch.Tensor], bucket_params: List[List[int]]):
+                 none: List[torch.Tensor]):
         self.ctx, self.corrector, self.split, self.comm2, self.probe = ctx, corrector, split, comm2, probe
-        self._ws, self._none, self._bucket_params = ws, none, bucket_params
+        self._ws, self._none = ws, none
+        # per bucket, its parameters with an element in its blocks (a block may reach into the next bucket's)
+        self._bucket_params = [[i for i, (s0, s1) in enumerate(ctx.groups[gi].block_span) if s0 < b1 and s1 >= b0]
+                               for gi, b0, b1 in split.geo]
         self._none_pos = [ops.mask_positions(m) for m in none]
         self.pending: List[_Deferred] = []
         # clipping of the averaged gradient, pending on stage 2: the step's update is redone for every block
@@ -267,11 +270,7 @@ class OSPMode(Mode):
         self._held = False  # a sparse gradient came: nothing starts in backward until step() raises
         # per bucket, its parameters' gradient aliases: to tell whether one changed after packing
         self._views = [[fg.grad_views[fg.index[id(p)]] for p in ps] for fg, _, _, ps in self.buckets.buckets]
-        # per bucket, its parameters with an element in its blocks (a block may reach into the next bucket's)
-        self._bucket_params = [[i for i, (s0, s1) in enumerate(ctx.groups[gi].block_span) if s0 < b1 and s1 >= b0]
-                               for gi, b0, b1 in self.split.geo]
-        self.stage2 = Deferral(ctx, self.corrector, self.split, self.comm2, self._probe, self._ws, self._none,
-                               self._bucket_params)
+        self.stage2 = Deferral(ctx, self.corrector, self.split, self.comm2, self._probe, self._ws, self._none)
         # every block critical (critical=1.0, or "auto" at 1.0 for now): BSP's own machinery
         self._bsp: Optional[BSPMode] = None
         self._follow_budget()

@@ -93,6 +93,9 @@ TWO_RANKS = {
     "osp.horovod": "tests/test_osp_horovod.py::test_horovods_functions_on_torch_distributed[spawn]",  # ~15 s
     "osp.horovod-elastic": "tests/test_osp_horovod.py::test_elastic_resumes_from_the_last_commit_under_torchrun"
                            "[bsp]",  # ~25 s
+    "osp.horovod-elastic-osp": "tests/test_osp_horovod.py::test_elastic_resumes_from_the_last_commit_under_torchrun"
+                               "[osp]",  # ~25 s
+    "elastic": "tests/test_elastic.py::test_elastic_state_commit_restore_and_sync_every_mode",  # ~10 s
 }
 
 M = Mutant
@@ -441,6 +444,20 @@ MUTANTS: List[Mutant] = [
       "        if state._resume():\n", "        if False:\n",
       TWO_RANKS["osp.horovod-elastic"],
       "a worker torchrun restarted starts from scratch instead of the last commit"),
+    M("elastic-model-saved-unsettled", "statedict.py",
+      "    def save(self):\n        settle(self.value)\n        self._saved_model_state",
+      "    def save(self):\n        self._saved_model_state",
+      TWO_RANKS["elastic"],
+      "hvd.elastic.TorchState commits a model's provisional weights under OSP and DSync"),
+    M("elastic-horovod-unsettled", "horovod/elastic.py",
+      "        statedict.settle(self.value)\n        self.saved =", "        self.saved =",
+      TWO_RANKS["osp.horovod-elastic-osp"],
+      "osp.horovod's TorchState commits the model's provisional weights: a resumed run ends elsewhere"),
+    M("elastic-world-not-followed", "statedict.py",
+      "    if not comm.active() or (comm.rank, comm.size) == opt._world:",
+      "    if True:",
+      TWO_RANKS["elastic"],
+      "an engine restarted into another world (hosts removed) with work in flight goes on silently"),
     # -- keywords.py: Horovod's keywords (op, gradient_predivide_factor, groups, sparse_as_dense) -----
     M("kw-sum-prescale-dropped", "keywords.py",
       "return float(size) if self.op == SUM else 1.0 / self.predivide",

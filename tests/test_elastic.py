@@ -247,7 +247,7 @@ def test_elastic_state_commit_restore_and_sync_every_mode(tmp_path):
         "steps_redone_equal_the_first_attempt", "second_restore_brings_back_the_commit")]
     # the same with Horovod's own hvd.elastic.TorchState holding the optimizer
     names += [f"torch_state/{m}/{c}" for m in modes for c in (
-        "sync_makes_replicas_equal", "reset_callback_registered_once", "commit_leaves_nothing_in_flight",
+        "sync_makes_replicas_equal", "osp_handlers_hold_the_state", "commit_leaves_nothing_in_flight",
         "commit_holds_the_exact_replicas", "restore_after_a_failure_brings_back_the_commit", "reset_rebuilds_the_mode",
         "steps_redone_equal_the_first_attempt", "load_in_flight_refused", "reset_in_flight_refused")]
     names += ["sync_checks_the_parameters_on_every_rank"]

@@ -38,10 +38,12 @@ def _accumulator(p: torch.Tensor):
 
 class Accumulation:
     def __init__(self, groups: List[FlatGroup], passes_per_step: int, mode,
-                 prescale: Optional[Callable[[], float]] = None):
+                 prescale: Optional[Callable[[], float]] = None, before_pass: Optional[Callable[[], None]] = None):
         """``prescale``: the factor every pass's gradient gets before it accumulates into ``.grad``
-        (``keywords.Reduction``: op=Sum, gradient_predivide_factor), asked for at each pass."""
+        (``keywords.Reduction``: op=Sum, gradient_predivide_factor), asked for at each pass. ``before_pass``: called
+        at each backward pass's first gradient here, before anything of the pass (the optimizer's world check)."""
         self.groups, self.passes_per_step, self.mode = groups, passes_per_step, mode
+        self.before_pass = before_pass
         self.fresh = False  # a backward reached the parameters since the last step
         self.clip = None  # the Clip opt.clip_grad_norm_ / clip_grad_value_ asked for the coming step
         self._where = {p: (fg, i) for fg in groups for i, p in enumerate(fg.params)}
@@ -115,6 +117,8 @@ class Accumulation:
         task = torch._C._current_graph_task_id()
         first = task != self._task
         if first:  # this backward's first gradient here: finish the pass when it ends
+            if self.before_pass is not None:
+                self.before_pass()
             self._task = task
             ref = weakref.ref(self)
             torch.autograd.Variable._execution_engine.queue_callback(

@@ -31,20 +31,21 @@ one left out would keep collectives of the engine that is gone. Other keyword ar
 ``TorchState`` handles them (LR schedulers, ``ElasticSampler``, plain Python values).
 
 Horovod's own ``hvd.elastic.TorchState`` holding a ``DistributedOptimizer`` (the one-line swap from
-``hvd.DistributedOptimizer``) works too, with the same exact commits and restores (``osp.statedict``): its
-``commit()`` flushes before the model is saved, its restore after a failure drops what was in flight, and a
-reset callback, registered when the state first syncs or commits, rebuilds the mode for the new world. It
-lacks the check of a new rank's parameters, and a host change noticed outside ``commit()`` with work in flight
-is refused (naming this class).
+``hvd.DistributedOptimizer``) works too, through Horovod's public handler registry (``get_handler_registry``):
+importing this module, or building a ``DistributedOptimizer`` once Horovod's elastic state is imported, puts osp's
+handlers for a ``DistributedOptimizer`` and for a model first in it. Its ``commit()`` then flushes before the model
+is saved, its restore after a failure drops what was in flight, its ``sync()`` checks every rank's parameters, and
+the optimizer rebuilds its mode for a new world at its next use (``osp.statedict.follow_world``). A host
+change noticed outside ``commit()`` with work in flight is refused (naming this class, whose
+``check_host_updates()`` flushes first).
 """
 from __future__ import annotations
 
-import copy
 import socket
 
 import torch
 
-from .broadcast import broadcast_state
+from . import statedict
 from .optimizer import DistributedOptimizer
 
 __all__ = ["State", "run", "local_host_names"]
@@ -52,7 +53,7 @@ __all__ = ["State", "run", "local_host_names"]
 
 try:
     import horovod.torch as hvd
-    from horovod.torch.elastic.state import ModelStateHandler, StateHandler, TorchState, _get_handlers
+    from horovod.torch.elastic.state import TorchState
 except ImportError as e:  # pragma: no cover - Horovod is installed with osp's test setup
     raise ImportError(f"osp.elastic needs Horovod with PyTorch support ({e})") from None
 
@@ -63,32 +64,7 @@ def run(func):
     return hvd.elastic.run(func)
 
 
-class _OptimizerHandler(StateHandler):
-    """A ``DistributedOptimizer``'s part of the state: its ``state_dict()`` (the wrapped optimizer's
-    state and osp's own), saved after a flush."""
-
-    def __init__(self, optimizer: DistributedOptimizer):
-        super().__init__(optimizer)
-        self._saved = None  # State saves every handler once built, after its flush
-
-    def save(self):
-        self._saved = copy.deepcopy(self.value.state_dict())  # (State.save flushed first)
-
-    def restore(self):
-        self.value.reset_world()  # what was in flight belongs to the failed engine
-        # a copy: torch's load_state_dict() keeps the given tensors where they fit (step counts, ...), and the
-        # steps after it would change the commit in place, which a second restore of it must bring back as it was
-        self.value.load_state_dict(copy.deepcopy(self._saved))
-
-    def sync(self):
-        # the flat state travels in place, on each rank's own device (osp.broadcast.broadcast_state)
-        opt = self.value
-        opt.load_state_dict(broadcast_state(opt.comm, opt.state_dict(), 0, opt.groups[0].device,
-                                            f"{opt._ctx.prefix}.elastic_sync"))
-
-    def set_value(self, value):
-        raise AttributeError("osp.elastic.State: an optimizer of the state cannot be replaced; build a new "
-                             "State with the new optimizer")
+statedict.register_handlers()  # hvd.elastic.TorchState then holds a DistributedOptimizer as State does
 
 
 class State(TorchState):
@@ -113,36 +89,14 @@ class State(TorchState):
                 raise ValueError(f"osp.elastic.State: {name} runs on the {opt.comm.name!r} backend; Horovod "
                                  "Elastic restarts Horovod's engine, so build the optimizer with backend='horovod' "
                                  "(under torchrun, restart from checkpoints instead: see osp.train --checkpoint-dir)")
-        rest = {k: v for k, v in extra.items() if k not in opts}
-        handlers, plain = _get_handlers(rest)
-        self._handlers = {"model": ModelStateHandler(model), **{k: _OptimizerHandler(v) for k, v in opts.items()},
-                          **handlers}
-        self._optimizers = [h.value for h in self._handlers.values() if isinstance(h, _OptimizerHandler)]
-        for name, handler in self._handlers.items():
-            setattr(self, name, handler.value)
-        # TorchState's own __init__ would give a DistributedOptimizer Horovod's optimizer handler, which
-        # knows nothing of osp's flat buffers, modes or work in flight
-        super(TorchState, self).__init__(bcast_object=hvd.broadcast_object, get_rank=hvd.rank, **plain)
-        self.save()  # flush first, so the model's committed parameters are the exact ones
+        self._optimizers = list(opts.values())
+        super().__init__(model, **opts, **{k: v for k, v in extra.items() if k not in opts})
 
     def _flush(self):
         # only what is in flight: a new rank builds its State outside hvd.elastic.run, where no collective
         # may run (flush() would call the optimizer's on_synced callback)
         for opt in self._optimizers:
-            if opt.in_flight:
-                opt.flush()
-
-    def save(self):
-        # the model's parameters are committed before the optimizer's handler runs: flush first
-        self._flush()
-        super().save()
-
-    def sync(self):
-        # first of all (before any broadcast of the model's tensors): every rank, a new one too, wraps the
-        # same parameters with the same options, or all raise the same ValueError
-        for opt in self._optimizers:
-            opt.check_world()
-        super().sync()
+            statedict.settle(opt)
 
     def check_host_updates(self):
         # a host change resets the engine without restoring: leave nothing in flight

@@ -144,10 +144,13 @@ class DistributedOptimizer(keywords.HorovodSurface, torch.optim.Optimizer):
         if reduction != keywords.Reduction():
             prescale = lambda r=reduction, ref=ref: r.prescale(ref().comm.size)  # noqa: E731 (the world may change)
         # the hooks, last
-        self._acc = Accumulation(self.groups, backward_passes_per_step, self.mode, prescale=prescale)
+        self._world = (self.comm.rank, self.comm.size)  # the engine's world the mode was built for
+        self._acc = Accumulation(self.groups, backward_passes_per_step, self.mode, prescale=prescale,
+                                 before_pass=lambda ref=ref: statedict.follow_world(ref()))
         self._log = StepLog()
         self._t_end: Optional[float] = None  # when the last step returned
         statedict.watch_model(self, model)
+        statedict.follow(self)
 
     def __del__(self):
         # its own attribute only: a wrapper that takes this class as a base and forwards attribute reads to
@@ -216,6 +219,7 @@ class DistributedOptimizer(keywords.HorovodSurface, torch.optim.Optimizer):
             raise TypeError(f"osp: step(closure) expects a callable, got {closure!r}")
         if not self._acc.fresh and closure is None and statedict.horovod_state_broadcast() is not None:
             return statedict.init_state_for_horovod(self)
+        statedict.follow_world(self)
         parameters.check_model(self.optimizer, self._group_shape, self.groups, self._outside)
         self._acc.check_fresh()
         self._check_synchronized()
@@ -350,6 +354,7 @@ class DistributedOptimizer(keywords.HorovodSurface, torch.optim.Optimizer):
         self._replicas = replicas.ReplicaCheck(self._ctx, self._replicas.every)
         self._t_end = self._ctx.t_end = None
         self._ctx.arrivals = Arrivals(self.comm.rank, advice=self.mode.straggler_advice)
+        self._world = (self.comm.rank, self.comm.size)
 
     def check_world(self) -> None:
         """A collective: every rank of the engine's world wraps the same parameters with the same

@@ -55,13 +55,15 @@ SYNCS = {"bsp": osp.BSP(), "osp": osp.OSP(critical=0.3, block_size=64), "dsync":
 
 def torch_state_scenario(name):
     """The one-line swap under Horovod Elastic: the optimizer kept in Horovod's own ``hvd.elastic.TorchState``, as
-    Horovod's examples and its elastic test script keep hvd.DistributedOptimizer. TorchState's commit() saves the
-    model first, then the optimizer: osp flushes at the model's save (every rank commits at the same point), so
-    the commit holds exact parameters and state. After a failure (``hvd.elastic.run`` restores while it handles
-    the HorovodInternalError) what was in flight belongs to the dead engine and is dropped, as osp.elastic.State
-    drops it. TorchState tells the optimizer nothing of an engine restart: osp registers a reset callback (at the
-    state's first sync) that rebuilds the mode for the new world, as osp.elastic.State's reset() does. Horovod's
-    elastic.run is simulated here: the same calls, in its order, on a healthy engine."""
+    Horovod's examples and its elastic test script keep hvd.DistributedOptimizer. osp's handlers are in Horovod's
+    handler registry (its public way in): TorchState's commit() saves the model first, then the optimizer, and the
+    model's handler settles the optimizer first (every rank commits at the same point), so the commit holds exact
+    parameters and state. After a failure (``hvd.elastic.run`` restores while it handles the HorovodInternalError)
+    what was in flight belongs to the dead engine and is dropped, as osp.elastic.State drops it. TorchState tells
+    the optimizer nothing of an engine restart: the optimizer rebuilds its mode for a new world at its next use
+    (``follow_world``), as osp.elastic.State's reset() does. Horovod's elastic.run is simulated here: the same
+    calls, in its order, on a healthy engine (an engine restarted into another world is simulated by the world
+    the optimizer remembers)."""
     from horovod.common.exceptions import HorovodInternalError
     from horovod.torch.elastic import TorchState
 
@@ -72,12 +74,12 @@ def torch_state_scenario(name):
         named = list(model.named_parameters()) if name == "dsync" else model.named_parameters()
         opt = osp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), named, sync=SYNCS[name])
         state = TorchState(model, opt, step=0)
-        callbacks = len(state._reset_callbacks)
         state.sync()
-        state.sync()  # registered once
         check(f"torch_state/{name}/sync_makes_replicas_equal", same_everywhere(params(model)))
-        check(f"torch_state/{name}/reset_callback_registered_once", len(state._reset_callbacks) == callbacks + 1,
-              len(state._reset_callbacks))
+        check(f"torch_state/{name}/osp_handlers_hold_the_state",
+              type(state._handlers["model"]).__name__ == "ModelHandler"
+              and type(state._handlers["optimizer"]).__name__ == "OptimizerHandler"
+              and state._reset_callbacks == [], (state._handlers, state._reset_callbacks))
         steps(model, opt, 0, 4)
         state.step = 4
         state.commit()  # osp: model.state_dict() inside commit() flushes first
@@ -97,9 +99,9 @@ def torch_state_scenario(name):
               torch.equal(params(model), committed) and state.step == 4 and not opt.in_flight
               and state_equal(opt.state_dict(), committed_opt), f"in flight before: {in_flight}")
         mode = opt.mode
-        state.on_reset()  # then the engine restarts, and the reset callbacks run
-        check(f"torch_state/{name}/reset_rebuilds_the_mode", opt.mode is not mode)
+        state.on_reset()  # then the engine restarts, and the reset callbacks run, and the state syncs
         state.sync()
+        check(f"torch_state/{name}/reset_rebuilds_the_mode", opt.mode is not mode)
         steps(model, opt, 4, 7)
         opt.flush()
         first = params(model)
@@ -121,8 +123,11 @@ def torch_state_scenario(name):
         if opt.in_flight:
             expect_error(f"torch_state/{name}/load_in_flight_refused", RuntimeError, r"call flush\(\) first",
                          lambda: opt.load_state_dict(committed_opt))
+            world = opt._world
+            opt._world = (world[0], world[1] + 1)  # the engine restarted into another world: the next use sees it
             expect_error(f"torch_state/{name}/reset_in_flight_refused", RuntimeError,
-                         r"osp\.elastic\.State\(model, optimizer", state.on_reset)
+                         r"osp\.elastic\.State\(model, optimizer", lambda: steps(model, opt, 8, 9))
+            opt._world = world
             opt.flush()
         else:
             check(f"torch_state/{name}/load_in_flight_refused", True)

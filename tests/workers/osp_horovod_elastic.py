@@ -10,7 +10,8 @@ import torch
 import osp
 import osp.horovod as hvd
 
-MODES = {"bsp": lambda: osp.BSP(), "osp": lambda: osp.OSP(critical=0.25), "dsync": lambda: osp.DSync(delay=1)}
+MODES = {"bsp": lambda: osp.BSP(), "osp": lambda: osp.OSP(critical=0.25, block_size=16),
+         "dsync": lambda: osp.DSync(delay=1)}
 hvd.init()
 torch.set_num_threads(1)
 torch.manual_seed(0)

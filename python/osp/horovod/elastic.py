@@ -42,6 +42,7 @@ import tempfile
 
 import torch
 
+from .. import statedict
 from ..checkpoint import CheckpointDir
 from . import basics
 from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
@@ -161,17 +162,14 @@ class _Handler:
         self.save()
 
     def save(self):
-        from ..optimizer import DistributedOptimizer
-
-        if isinstance(self.value, DistributedOptimizer) and self.value.in_flight:
-            self.value.flush()  # every rank commits at the same step: the state holds exact updates
+        # every rank commits at the same step: the optimizers stepping a model's parameters (the model is saved
+        # before its optimizer) or this optimizer finish their work in flight, so the state holds exact updates
+        statedict.settle(self.value)
         self.saved = copy.deepcopy(self.value.state_dict())
 
     def restore(self):
-        from ..optimizer import DistributedOptimizer
-
-        if isinstance(self.value, DistributedOptimizer) and self.value.in_flight:
-            self.value.reset_world()  # the uncommitted steps' work is dropped with them
+        if any(o.in_flight for o in statedict.holders(self.value)):
+            statedict.drop(self.value)  # the uncommitted steps' work is dropped with them
         self.value.load_state_dict(copy.deepcopy(self.saved))
 
     def sync(self):

@@ -479,6 +479,29 @@ def test_critical_zero_defers_everything(one_rank):
     assert all(h["bytes_stage1"] == 0 and h["bytes_stage2"] == opt.nbytes for h in hist), hist
 
 
+@pytest.mark.parametrize("block_size,warned", [(None, True), (64, False)])
+def test_a_fixed_share_that_defers_nothing_says_so(one_rank, block_size, warned):
+    """OSP(critical=0.25) on a model smaller than one block (the default block_size=4096): ceil(0.25 x 1 block)
+    is the block, and every step is BSP's. Warned at construction, at the user's line, naming the block size and
+    what to change (issue 57); with blocks enough, the share defers and nothing is said."""
+    import warnings
+
+    model = tiny_model()
+    kw = {} if block_size is None else {"block_size": block_size}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = osp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                       sync=osp.OSP(critical=0.25, **kw))
+    said = [w for w in caught if "defers nothing" in str(w.message)]
+    assert len(said) == int(warned), [str(w.message) for w in caught]
+    local_steps(model, opt, 3)
+    deferred = sum(h["bytes_stage2"] for h in opt.stats()["history"])
+    assert (deferred == 0) == warned, opt.stats()["history"]  # the warning says what the steps did
+    if warned:
+        assert said[0].filename == __file__, said[0].filename
+        assert "1 block(s) (block_size=4096)" in str(said[0].message) and "smaller block_size" in str(said[0].message)
+
+
 def test_wrapping_errors(one_rank):
     frozen = tiny_model()
     for p in frozen.parameters():

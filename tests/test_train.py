@@ -274,6 +274,42 @@ def test_backend_auto_under_mpi_is_horovod(launcher, tmp_path):
     assert why in res["config"]["backend_why"], res["config"]
 
 
+@pytest.mark.parametrize("env,refused", [
+    ({"WORLD_SIZE": "2", "RANK": "0"}, "WORLD_SIZE=2"),  # torchrun's
+    ({"HOROVOD_SIZE": "3", "HOROVOD_RANK": "0"}, "HOROVOD_SIZE=3"),  # horovodrun --gloo's
+    ({"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "0"}, "OMPI_COMM_WORLD_SIZE=2"),  # mpirun's
+    ({"WORLD_SIZE": "1", "RANK": "0"}, None),
+    ({"WORLD_SIZE": "2", "HOROVOD_ELASTIC": "1"}, None),  # Horovod Elastic: the world changes as hosts do
+    ({}, None),
+])
+def test_a_launchers_ranks_on_an_engine_of_one_are_refused(one_rank, env, refused):
+    """A launcher started N > 1 ranks, and the engine (a real one-rank Gloo group here) came up with one: each
+    process would train alone and exit 0 (issue 57: torchrun with --backend horovod). The launcher's own count
+    is named."""
+    from osp.comm import TorchComm
+    from osp.launcher import check_launched
+
+    if refused is None:
+        check_launched(TorchComm(), env)
+        return
+    with pytest.raises(RuntimeError, match=f"the launcher started .* ranks \\({refused}\\) but the torch engine "
+                                           "came up with 1"):
+        check_launched(TorchComm(), env)
+
+
+@pytest.mark.multiproc
+def test_torchrun_with_the_horovod_backend_is_refused_not_split(tmp_path):
+    """torchrun --nproc-per-node 2 -m osp.train --backend horovod: each process's hvd.init() comes up alone. Before,
+    two one-rank trainings ran and the job exited 0; now every rank refuses, naming torchrun's count."""
+    launch.need_horovod()
+    proc = launch.run_cmd(launch.torchrun_cmd(2, ["-m", "osp.train", "--backend", "horovod", "--sync", "bsp",
+                                                  "--epochs", "1", "--no-progress"]), timeout=120)
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    out = proc.stdout + proc.stderr
+    assert "the launcher started 2 ranks (WORLD_SIZE=2) but the horovod engine came up with 1" in out, out[-3000:]
+    assert "ranks=1" not in out, out[-3000:]  # no training started
+
+
 def fake_run(sync, rates, critical="auto", share=None, acc=0.95, ranks=2, link=None):
     """osp.train results of one configuration, one per samples/s in ``rates`` (steady part: steps 11-30)."""
     runs = []

@@ -187,6 +187,10 @@ class Comm(abc.ABC):
         """Whether the engine is still up (its work can still be waited for)."""
         return True
 
+    def world_size(self) -> int:
+        """The engine's whole world (``size`` is this communicator's: a process set's, a group's)."""
+        return self.size
+
     @property
     def ranks_key(self) -> tuple:
         """Which ranks this communicator spans, as a key: the optimizers built on one set of ranks are
@@ -281,6 +285,9 @@ class HorovodComm(Comm):
     @property
     def size(self) -> int:
         return self.ps.size()
+
+    def world_size(self) -> int:
+        return self.hvd.size()
 
     @property
     def ranks_key(self) -> tuple:
@@ -395,6 +402,9 @@ class TorchComm(Comm):
     @property
     def size(self) -> int:
         return self.dist.get_world_size(self.group)
+
+    def world_size(self) -> int:
+        return self.dist.get_world_size()
 
     @property
     def ranks_key(self) -> tuple:

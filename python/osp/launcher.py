@@ -43,6 +43,38 @@ def detect_backend(env: Optional[Mapping[str, str]] = None) -> Tuple[str, str]:
     return "torch", f"mpirun ({mpi} is set); this Horovod has no MPI, so torch.distributed"
 
 
+# how many ranks a launcher started: torchrun (and a prepared env://), horovodrun --gloo, Open MPI, MPICH / Intel MPI,
+# MVAPICH
+LAUNCHED_SIZE_VARS = ("WORLD_SIZE", "HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
+
+
+def launched_size(env: Optional[Mapping[str, str]] = None) -> Tuple[int, str]:
+    """How many ranks the launcher that started this process started, and the variable that says so: ``(1, "")``
+    without a launcher (or under Horovod Elastic, whose worlds change as hosts come and go)."""
+    env = os.environ if env is None else env
+    if env.get("HOROVOD_ELASTIC") == "1":
+        return 1, ""
+    for var in LAUNCHED_SIZE_VARS:
+        if env.get(var, "").isdigit():
+            return int(env[var]), var
+    return 1, ""
+
+
+def check_launched(comm: Comm, env: Optional[Mapping[str, str]] = None) -> None:
+    """A launcher started N > 1 ranks and the engine came up with one (``torchrun ... --backend horovod``: each
+    ``hvd.init()`` alone; a process group initialized with ``world_size=1``): every process would train alone and
+    exit 0, a job split silently. Raised, naming both. (Only a world of one is refused: a smaller engine world can
+    be meant, as ``hvd.init(comm=[...])`` on some of ``mpirun``'s ranks.)"""
+    n, var = launched_size(env)
+    if n <= 1 or comm.name not in ("horovod", "torch") or not comm.active():
+        return
+    if comm.world_size() == 1:
+        raise RuntimeError(
+            f"osp: the launcher started {n} ranks ({var}={n}) but the {comm.name} engine came up with 1: every "
+            f"process would train alone. Start the engine the launcher is for (torchrun: backend='torch' / "
+            f"init_process_group(); horovodrun or mpirun: backend='horovod' / hvd.init())")
+
+
 def _horovod_mpi_built() -> bool:
     try:
         import horovod.torch as hvd
@@ -72,7 +104,9 @@ def init_from_env(backend: str, timeout_s: Optional[float] = None, device="cpu")
         hvd.init()
         if dev.type == "cuda":
             torch.cuda.set_device(hvd.local_rank())
-        return HorovodComm()
+        comm = HorovodComm()
+        check_launched(comm)
+        return comm
     if backend == "torch":
         pg = "gloo"  # the engine follows the model, not the machine: a CPU model on a GPU host still needs Gloo
         if dev.type == "cuda":
@@ -80,7 +114,9 @@ def init_from_env(backend: str, timeout_s: Optional[float] = None, device="cpu")
                                                                                    "0"))))
             pg = "nccl"
         init_process_group(pg, timeout_s)
-        return TorchComm()
+        comm = TorchComm()
+        check_launched(comm)
+        return comm
     raise ValueError(f"osp: unknown backend {backend!r}: expected 'horovod' or 'torch'")
 
 

@@ -20,7 +20,7 @@ from typing import Callable, Optional
 
 import torch
 
-from . import amp, clipping, joining, keywords, parameters, replicas, statedict, teardown
+from . import amp, clipping, joining, keywords, launcher, parameters, replicas, statedict, teardown
 from .accumulation import Accumulation
 from .arrivals import Arrivals
 from .comm import Comm, get_comm
@@ -115,6 +115,7 @@ class DistributedOptimizer(keywords.HorovodSurface, torch.optim.Optimizer):
             setattr(self, name, OrderedDict())
         self._patch_step_function()
         self.comm: Comm = get_comm(keywords.backend_for(backend, process_set))
+        launcher.check_launched(self.comm)  # N ranks launched, an engine of one: a job split silently
         self._signature = (names, next(_UIDS.setdefault(self.comm.ranks_key, itertools.count())))
         # under Horovod Elastic a rank may join while the others train, and no collective may run outside
         # hvd.elastic.run: osp.elastic.State's sync() runs this check on every rank, new ones too

@@ -11,6 +11,7 @@ import torch
 
 from . import ops
 from .policy import Budget
+from .warn import warn
 
 
 def select_critical(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -60,6 +61,21 @@ class Split:
             self.group_lo.append(lo)
             lo += fg.nblocks
         self._plan: Optional[Plan] = None
+        self._warn_if_nothing_deferred()
+
+    def _warn_if_nothing_deferred(self) -> None:
+        """A fixed share below 1 whose per-bucket rounding up keeps every block critical (a model of fewer blocks
+        than its buckets need: ``ceil(share x blocks)`` of one block is that block) runs BSP's steps: warned once
+        here, naming the blocks and the block size, rather than found in ``stats()``'s critical_fraction 1.0."""
+        share = self.options.critical
+        if share == "auto" or share >= 1.0 or sum(self._quotas()) < self.nblocks:
+            return
+        sizes = [b1 - b0 for _, b0, b1 in self.geo]
+        need = math.floor(1.0 / (1.0 - share)) + 1  # blocks a bucket needs for ceil(share x blocks) to leave one
+        warn(f"osp: {self.options!r} defers nothing here: the gradients make {self.nblocks} block(s) (block_size="
+             f"{self.options.block_size}) in {len(sizes)} bucket(s) (at most {max(sizes)} in one), and "
+             f"ceil({share:g} x a bucket's blocks) keeps every block critical, so every step is BSP's. Pass a "
+             f"smaller block_size (a bucket needs {need} blocks or more for one to be deferred)")
 
     def _new_budget(self) -> Budget:
         return Budget(self.options.critical, self.options.min_critical, warmup=self.options.warmup)

@@ -208,8 +208,10 @@ def variants():
     check("broadcast_async", float(got) == 1.0 and float(src) == r)
     hvd.synchronize(hvd.broadcast_async_(src, root_rank=1))
     check("broadcast_async_", float(src) == 1.0)
-    got = hvd.synchronize(hvd.alltoall_async(torch.arange(2) + 10 * r))
-    check("alltoall_async", got.tolist() == [10 * q + r for q in range(n)], got)
+    # Horovod's synchronize of an alltoall returns (output, received_splits), with splits given or not
+    got, counts = hvd.synchronize(hvd.alltoall_async(torch.arange(n) + 10 * r))
+    check("alltoall_async", got.tolist() == [10 * q + r for q in range(n)]
+          and counts.dtype == torch.int32 and counts.tolist() == [1] * n, (got, counts))
     check("built/rest", hvd.cuda_built() == (torch.version.cuda is not None) and hvd.rocm_built() is False
           and hvd.ddl_built() is False and hvd.ccl_built() is False and hvd.mpi_threads_supported() is False)
     expect_error("stop_timeline_refused", NotImplementedError, "profiler", hvd.stop_timeline)

@@ -403,8 +403,9 @@ def _alltoall_async(tensor, splits, process_set, counts: bool = False) -> Handle
 
 def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set) -> Handle:
     """Start sending ``splits[j]`` rows of ``tensor`` to rank ``j`` (equal parts without ``splits``); the counts
-    are exchanged first, in a small blocking collective."""
-    return _alltoall_async(tensor, splits, process_set)
+    are exchanged first, in a small blocking collective. ``synchronize`` returns ``(output, received_splits)``,
+    the int32 counts received from each rank, with ``splits`` given or not (as Horovod's)."""
+    return _alltoall_async(tensor, splits, process_set, counts=True)
 
 
 class _Alltoall(torch.autograd.Function):

@@ -8,7 +8,7 @@ CUDA_SRCS := $(wildcard csrc/cuda/*.cu)
 CUDA_CPP_SRCS := $(wildcard csrc/cuda/*.cpp)
 PYTEST_ARGS ?=
 
-.PHONY: install test test-only test-without-horovod lint cuda-check gpu-check bench-kernels bench-accuracy bench-stragglers bench-stragglers-net bench-lightning bench-faults bench-plan bench-tta bench-compression demo check-slow-rank bench stress-exit mutation conformance-random conformance-features horovod-upstream clean
+.PHONY: install test test-only test-jobs test-without-horovod lint cuda-check gpu-check bench-kernels bench-accuracy bench-stragglers bench-stragglers-net bench-lightning bench-faults bench-plan bench-tta bench-compression demo check-slow-rank bench stress-exit mutation conformance-random conformance-features horovod-upstream clean
 
 install:
 	@bash scripts/install.sh
@@ -19,7 +19,13 @@ test: install
 	@$(MAKE) --no-print-directory test-only
 
 test-only:
-	$(PY) -m pytest -q -rs --durations=25 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -rs --durations=25 -m "not bench and not jobs" $(PYTEST_ARGS)
+
+# The second tier, which CI runs after `make test` (.ci/run): the tests marked `jobs`, whole jobs under real
+# launchers (the examples with the swap, Horovod Elastic and torchrun restarts, Lightning, Accelerate, Horovod's own
+# tests, the exit sample; about 11 minutes on 2 cores).
+test-jobs: install
+	$(PY) -m pytest -q -rs --durations=25 -m "jobs and not bench" $(PYTEST_ARGS)
 
 # The suite as a user without Horovod runs it (tests/nohorovod: every process finds no Horovod): osp, osp.horovod
 # and everything but the Horovod engine must pass; the engine's tests skip, saying so (about 13 minutes).

@@ -31,6 +31,7 @@ def _run(tmp_path, sync: str, epochs: int) -> dict:
 
 
 @pytest.mark.multiproc
+@pytest.mark.jobs
 def test_accelerate_example_trains_exactly(tmp_path):
     ddp, bsp = _run(tmp_path, "ddp", 2), _run(tmp_path, "bsp", 2)
     assert ddp["model_wrapped"] == "DistributedDataParallel" and bsp["model_wrapped"] != "DistributedDataParallel"

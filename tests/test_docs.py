@@ -801,3 +801,16 @@ def test_the_parsers_follow_markdown_and_shell():
     probs, argvs = make_checks(Command("d", 1, "t", ["make", "bench-tta", "BENCH_ARGS=--seeds 0"], {}), rules)
     assert not probs and argvs[0][1] == ["python", "bench/time_to_accuracy.py", "--seeds", "0"]
     assert make_checks(Command("d", 1, "t", ["make", "no-such-target"], {}), rules)[0]
+
+
+def test_ci_runs_both_tiers_and_each_test_is_in_one():
+    """`make test` leaves out the tests marked `jobs` (whole jobs under real launchers) to stay near 20 minutes;
+    CI's entry point runs them after it (`make test-jobs`), so no test goes unrun, and the two selections are the
+    Makefile's own."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert re.search(r"^make test$", ci, re.M) and re.search(r"^make test-jobs$", ci, re.M), ci
+    make = (ROOT / "Makefile").read_text()
+    fast = re.search(r"^test-only:\n\t.*-m \"([^\"]+)\"", make, re.M)
+    jobs = re.search(r"^test-jobs: install\n\t.*-m \"([^\"]+)\"", make, re.M)
+    assert fast and jobs, "test-only and test-jobs must each select with -m"
+    assert (fast.group(1), jobs.group(1)) == ("not bench and not jobs", "jobs and not bench")

@@ -31,6 +31,7 @@ def _result(path):
 
 
 @pytest.mark.multiproc
+@pytest.mark.jobs
 @pytest.mark.parametrize("sync", ["osp", "bsp", "dsync"])
 def test_elastic_rank_killed_mid_step_survivors_go_on_from_the_last_commit(tmp_path, sync):
     """Two hosts (two names of this machine: Horovod blacklists the host of a failed rank, and on one
@@ -66,6 +67,7 @@ def test_elastic_rank_killed_mid_step_survivors_go_on_from_the_last_commit(tmp_p
 
 
 @pytest.mark.multiproc
+@pytest.mark.jobs
 def test_elastic_slot_added_then_removed(tmp_path):
     """The discovery script adds a third host after epoch 2: it joins at the next commit (nothing
     redone), receives the parameters, optimizer state and osp's state, and from its first step on every
@@ -92,6 +94,7 @@ def test_elastic_slot_added_then_removed(tmp_path):
 
 
 @pytest.mark.multiproc
+@pytest.mark.jobs
 def test_torchrun_restart_resumes_from_the_last_checkpoint(tmp_path):
     """torchrun --max-restarts 2; rank 1 SIGKILLs itself after step 30 (checkpoints every 8 steps): the
     restarted job resumes from step 24 and ends with parameters bitwise equal to those of the same run
@@ -289,6 +292,7 @@ esac
 
 
 @pytest.mark.multiproc
+@pytest.mark.jobs
 @pytest.mark.parametrize("mode", ["default", "bsp", "osp-0.25", "dsync-2"])
 def test_horovods_elastic_test_with_the_swap_and_torch_state(tmp_path, mode):
     """Horovod 0.28.1's test_hosts_added_and_removed (test/integration/test_elastic_torch.py, slots=1) on its
@@ -307,6 +311,7 @@ def test_horovods_elastic_test_with_the_swap_and_torch_state(tmp_path, mode):
 
 
 @pytest.mark.multiproc
+@pytest.mark.jobs
 def test_torch_state_rank_killed_with_work_in_flight(tmp_path):
     """The same script on two hosts, DSync(delay=2): rank 1 SIGKILLs itself at epoch 1, batch 3, with the averages
     of its last steps in flight. The survivor's collective fails, hvd.elastic.run restores TorchState's commit of

@@ -43,6 +43,7 @@ def run_many(launcher, runs, extra_env=None):
 
 
 @pytest.mark.multiproc
+@pytest.mark.jobs
 @pytest.mark.parametrize("launcher", ["torch", "horovod"])
 def test_script_that_returns_exits_zero(launcher):
     failed = run_many(launcher, RUNS)

@@ -252,6 +252,7 @@ def _example(*args):
 
 
 @pytest.mark.multiproc
+@pytest.mark.jobs
 def test_the_horovod_style_example_with_the_swap():
     """examples/horovod_digits.py (Horovod's pytorch_mnist.py laid out on digits, compression= passed):
     BSP ends at exactly Horovod's test loss; OSP trains (its forward passes run on the provisional parameters,
@@ -276,6 +277,7 @@ SYNTHETIC = os.path.join(os.path.dirname(launch.HERE), "examples", "horovod_synt
 
 
 @pytest.mark.multiproc
+@pytest.mark.jobs
 @pytest.mark.parametrize("optimizer", ["hvd", "osp-auto", "dsync-2"])
 def test_the_horovod_style_synthetic_benchmark_with_the_swap(optimizer):
     """examples/horovod_synthetic_benchmark.py (Horovod's pytorch_synthetic_benchmark.py laid out on the bench's

@@ -50,6 +50,7 @@ def test_expected_covers_every_test_of_the_file():
 
 
 @pytest.mark.multiproc
+@pytest.mark.jobs
 def test_horovods_own_torch_tests_pass_on_osp_horovod(tmp_path):
     runner, expected = _runner(), _expected()
     names = [n for n, e in expected.items() if e["class"] in ("passed", "refused")]

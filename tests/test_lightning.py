@@ -17,6 +17,9 @@ import torch
 
 import launch
 
+# whole training jobs under Lightning's own launcher (Trainer, a fixture of 60 s): make test-jobs
+pytestmark = pytest.mark.jobs
+
 WORKER = os.path.join(launch.HERE, "workers", "lightning_worker.py")
 
 SEEDS = (0, 1, 2)

@@ -54,6 +54,7 @@ def _elastic(tmp_path, mode, fail_at=None):
 
 
 @pytest.mark.multiproc
+@pytest.mark.jobs
 @pytest.mark.parametrize("mode", ["bsp", "osp"])
 def test_elastic_resumes_from_the_last_commit_under_torchrun(mode, tmp_path):
     """hvd.elastic.run / TorchState / ElasticSampler on torchrun restarts: a worker that dies between commits (step
@@ -89,6 +90,7 @@ def _final_loss(proc):
 
 
 @pytest.mark.multiproc
+@pytest.mark.jobs
 def test_the_horovod_digits_example_with_only_the_import_changed(tmp_path):
     """examples/horovod_digits.py (Horovod's pytorch_mnist.py laid out on digits) with `import osp.horovod as hvd`
     under torchrun: hvd.DistributedOptimizer (BSP by default) ends at the test loss of real Horovod's optimizer
@@ -109,6 +111,7 @@ def test_the_horovod_digits_example_with_only_the_import_changed(tmp_path):
 
 
 @pytest.mark.multiproc
+@pytest.mark.jobs
 @pytest.mark.parametrize("optimizer", ["hvd", "osp-auto"])
 def test_the_horovod_synthetic_benchmark_with_only_the_import_changed(optimizer, tmp_path):
     swapped = _swap(tmp_path, "horovod_synthetic_benchmark.py")

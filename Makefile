@@ -23,7 +23,7 @@ test-only:
 
 # The second tier, which CI runs after `make test` (.ci/run): the tests marked `jobs`, whole jobs under real
 # launchers (the examples with the swap, Horovod Elastic and torchrun restarts, Lightning, Accelerate, Horovod's own
-# tests, the exit sample; about 11 minutes on 2 cores).
+# tests, the exit sample; about 9 minutes on 2 cores).
 test-jobs: install
 	$(PY) -m pytest -q -rs --durations=25 -m "jobs and not bench" $(PYTEST_ARGS)
 
